@@ -1,0 +1,36 @@
+# rtop — two commands on a fresh machine: `make demo` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.rtop-installed
+PYTHON ?= python3
+
+.PHONY: test demo lint typecheck pytest bench screenshots clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: 2.13.0 is the CPU wheel; anything else pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy --strict collectors
+	$(VENV)/bin/mypy rtop
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/rtop demo $(DEMO_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/collector_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

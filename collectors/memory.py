@@ -1,0 +1,127 @@
+"""Memory of the rank's training device: what is used, the peak, the capacity, and the
+static part (parameters, gradients, optimizer state) behind the memory wall.
+
+On CUDA the figures are torch's caching-allocator counters for the model's device; on
+CPU they are the process's RSS against the machine's memory (or the cgroup's limit,
+whichever is smaller), so headroom means something on a laptop too.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import weakref
+from typing import Any
+
+import psutil
+
+from collectors.host import cgroup_memory_limit
+
+
+def _tensor_bytes(t: Any) -> int:
+    return int(t.numel()) * int(t.element_size())
+
+
+def static_bytes(models: list[Any], optimizers: list[Any]) -> tuple[int, int, int]:
+    """``(param_bytes, grad_bytes, optim_bytes)`` of models and optimizers, shared
+    tensors counted once."""
+    seen: set[int] = set()
+    params = grads = optim = 0
+    for model in models:
+        for p in model.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            params += _tensor_bytes(p)
+            if p.grad is not None:
+                grads += _tensor_bytes(p.grad)
+    torch = sys.modules.get("torch")
+    for opt in optimizers:
+        for state in list(opt.state.values()):
+            for value in list(state.values()):
+                if torch is not None and isinstance(value, torch.Tensor) and id(value) not in seen:
+                    seen.add(id(value))
+                    optim += _tensor_bytes(value)
+    return params, grads, optim
+
+
+class MemorySampler:
+    """Samples one rank's device memory; ``watch`` adds models/optimizers to account for.
+
+    ``capacity_bytes`` overrides the capacity (``RTOP_MEM_CAPACITY_BYTES``), e.g. to
+    rehearse the memory wall of a smaller device.
+    """
+
+    STATIC_EVERY = 5  # recount parameters/gradients/optimizer state every N samples
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        self._capacity_override = capacity_bytes
+        self._models: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._cuda_index: int | None = None
+        self._static: tuple[int | None, int | None, int | None] = (None, None, None)
+        self._grad_peak = 0
+        self._count = 0
+        self._peak_rss = 0
+        self._proc = psutil.Process()
+        limit = cgroup_memory_limit()
+        total = int(psutil.virtual_memory().total)
+        self._cpu_capacity = min(total, limit) if limit else total
+
+    @property
+    def device(self) -> str:
+        """``cuda:N`` when a watched model lives on a GPU, else ``cpu``."""
+        return f"cuda:{self._cuda_index}" if self._cuda_index is not None else "cpu"
+
+    def watch(self, model: Any = None, optimizer: Any = None) -> None:
+        """Account for a model's parameters and gradients and an optimizer's state."""
+        if model is not None:
+            self._models.add(model)
+            try:
+                first = next(iter(model.parameters()))
+                if first.device.type == "cuda":
+                    self._cuda_index = int(first.device.index or 0)
+            except (StopIteration, AttributeError):
+                pass
+        if optimizer is not None:
+            self._optimizers.add(optimizer)
+        self._count = 0  # recount at the next sample
+
+    def _static_now(self) -> tuple[int | None, int | None, int | None]:
+        if self._count % self.STATIC_EVERY == 0:
+            models, opts = list(self._models), list(self._optimizers)
+            if models or opts:
+                try:
+                    p, g, o = static_bytes(models, opts)
+                    # zero_grad(set_to_none=True) frees gradients between steps: keep
+                    # the largest seen, which is what they take at the peak.
+                    self._grad_peak = max(self._grad_peak, g)
+                    self._static = (p, self._grad_peak, o if opts else None)
+                except Exception:  # a model mutating under us: keep the last count
+                    pass
+        self._count += 1
+        return self._static
+
+    def sample(self, t_wall: float) -> list[Any]:
+        """One row in the order of ``collectors.schema.MEM_FIELDS``."""
+        params, grads, optim = self._static_now()
+        if self._cuda_index is not None:
+            import torch
+
+            idx = self._cuda_index
+            used: int | None = int(torch.cuda.memory_allocated(idx))
+            reserved: int | None = int(torch.cuda.memory_reserved(idx))
+            peak: int | None = int(torch.cuda.max_memory_reserved(idx))
+            capacity: int | None = int(torch.cuda.get_device_properties(idx).total_memory)
+        else:
+            try:
+                used = int(self._proc.memory_info().rss)
+            except psutil.Error:
+                used = None
+            # ru_maxrss is KiB on Linux: the true peak, even between our samples.
+            max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            self._peak_rss = max(self._peak_rss, used or 0, max_rss)
+            reserved, peak, capacity = None, self._peak_rss, self._cpu_capacity
+        if self._capacity_override:
+            capacity = self._capacity_override
+        return [t_wall, self.device, used, reserved, peak, capacity, params, grads, optim]

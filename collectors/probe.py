@@ -1,0 +1,290 @@
+"""The probe: what the training loop calls. Its hot-path methods only take timestamps
+and append a tuple to a bounded buffer; everything else happens on the sender thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+from typing import Any, Generic, Literal, TypeVar
+
+from collectors.config import ProbeConfig
+from collectors.cuda_events import EventPool
+from collectors.identity import Identity
+from collectors.memory import MemorySampler
+
+log = logging.getLogger("collectors")
+
+T = TypeVar("T")
+
+#: A finished step as the training thread leaves it for the sender thread:
+#: (step, t_start, data_wait_s, t_enter, t_exit, samples, buckets, gap_s, cuda_pair)
+RawStep = tuple[
+    int, float, "float | None", float, float, "int | None", "list[Any] | None",
+    "float | None", "tuple[Any, Any] | None",
+]
+
+
+def batch_size(batch: Any, _depth: int = 0) -> int | None:
+    """The number of samples in a batch, when its first tensor-like member says so."""
+    shape = getattr(batch, "shape", None)
+    if shape is not None:
+        try:
+            return int(shape[0]) if len(shape) else None
+        except (TypeError, ValueError):
+            return None
+    if _depth < 2:
+        if isinstance(batch, (list, tuple)) and batch:
+            return batch_size(batch[0], _depth + 1)
+        if isinstance(batch, dict) and batch:
+            return batch_size(next(iter(batch.values())), _depth + 1)
+    return None
+
+
+class TimedIterable(Generic[T]):
+    """Wraps a loader; iterating it times each wait in ``next()`` (``probe.iter``).
+
+    ``len()`` and attribute access pass through to the wrapped loader.
+    """
+
+    def __init__(self, probe: Probe, iterable: Iterable[T]) -> None:
+        self._probe = probe
+        self._iterable = iterable
+
+    def __len__(self) -> int:
+        return len(self._iterable)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterable, name)
+
+    def __iter__(self) -> Iterator[T]:
+        probe = self._probe
+        probe._train_tid = threading.get_ident()
+        it = iter(self._iterable)
+        clock = time.perf_counter
+        while True:
+            t0 = clock()
+            probe._phase, probe._phase_t = "data", t0
+            try:
+                item = next(it)
+            except StopIteration:
+                probe._phase, probe._phase_t = "idle", clock()
+                return
+            t1 = clock()
+            if probe._wait_t0 is None:
+                probe._wait_t0 = t0
+                probe._wait_s = t1 - t0
+            else:
+                probe._wait_s = (probe._wait_s or 0.0) + (t1 - t0)
+            n = batch_size(item)
+            if n is not None:
+                probe._samples = (probe._samples or 0) + n
+            probe._phase, probe._phase_t = "idle", t1
+            yield item
+
+
+class _StepTimer:
+    """The context manager ``probe.step()`` returns; re-entering it nests harmlessly."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, probe: Probe) -> None:
+        self._p = probe
+
+    def __enter__(self) -> Probe:
+        p = self._p
+        p._depth += 1
+        if p._depth == 1:
+            t = time.perf_counter()
+            p._t_enter = t
+            p._phase, p._phase_t = "compute", t
+            if p._train_tid is None:
+                p._train_tid = threading.get_ident()
+            if p._cuda is not None:
+                p._cuda_start = p._cuda.record()
+        return p
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        p = self._p
+        p._depth -= 1
+        if p._depth > 0:
+            return False
+        if p._depth < 0:  # exit without enter: ignore rather than break the job
+            p._depth = 0
+            return False
+        t = time.perf_counter()
+        cuda_pair = None
+        if p._cuda is not None and p._cuda_start is not None:
+            cuda_pair = (p._cuda_start, p._cuda.record())
+            p._cuda_start = None
+        buckets = p._comm
+        if buckets is not None:
+            p._comm = []
+        t_start = p._wait_t0 if p._wait_t0 is not None else p._t_enter
+        gap = t_start - p._prev_exit if p._prev_exit is not None else None
+        record: RawStep = (
+            p._step, t_start, p._wait_s, p._t_enter, t, p._samples, buckets, gap, cuda_pair,
+        )
+        if len(p._records) < p._capacity:
+            p._records.append(record)
+        else:
+            p.dropped_buffer += 1
+        p._wait_t0 = p._wait_s = p._samples = None
+        p._prev_exit = t
+        p._step += 1
+        p._phase, p._phase_t = "idle", t
+        return False
+
+
+class _PhaseTimer:
+    """Context manager for a named one-off phase such as a checkpoint."""
+
+    def __init__(self, probe: Probe, kind: str) -> None:
+        self._p = probe
+        self._kind = kind
+        self._t0 = 0.0
+
+    def __enter__(self) -> Probe:
+        self._t0 = time.perf_counter()
+        self._p._phase, self._p._phase_t = self._kind, self._t0
+        return self._p
+
+    def __exit__(self, *exc: object) -> Literal[False]:
+        p = self._p
+        t = time.perf_counter()
+        if len(p._events) < p._capacity:
+            p._events.append((self._t0, self._kind, t - self._t0, p._step - 1))
+        p._phase, p._phase_t = "idle", t
+        return False
+
+
+class Probe:
+    """One rank's collector. Make it with :func:`collectors.start`.
+
+    The training thread calls :meth:`iter`, :meth:`step`, :meth:`watch` and
+    :meth:`checkpoint`; a daemon sender thread samples GPU, host and memory, resolves
+    CUDA events and ships batched frames to the hub. Nothing here raises into the
+    training loop because of the hub: unreachable, slow or gone, records are dropped
+    and counted (``stats()``) and the sender reconnects with backoff.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        config: ProbeConfig | None = None,
+        *,
+        nvml: Any = None,
+        start_sender: bool = True,
+    ) -> None:
+        self.identity = identity
+        self.config = config or ProbeConfig.from_env()
+        self._capacity = self.config.buffer_records
+        self._records: deque[RawStep] = deque()
+        self._events: deque[tuple[float, str, float, int]] = deque()
+        self.dropped_buffer = 0
+        # training-thread state
+        self._step = 0
+        self._depth = 0
+        self._phase = "idle"
+        self._phase_t = time.perf_counter()
+        self._train_tid: int | None = None
+        self._wait_t0: float | None = None
+        self._wait_s: float | None = None
+        self._samples: int | None = None
+        self._t_enter = 0.0
+        self._prev_exit: float | None = None
+        self._comm: list[Any] | None = None  # per-step bucket entries once DDP is watched
+        self._comm_world = 1
+        self._cuda: EventPool | None = None
+        self._cuda_start: Any = None
+        self._step_timer = _StepTimer(self)
+        self.notes: list[str] = []
+        self.memory = MemorySampler(self.config.memory_capacity_bytes)
+        self._closed = False
+        from collectors.sender import Sender
+
+        self._sender = Sender(self, nvml=nvml)
+        if start_sender:
+            self._sender.start()
+
+    # ---- the training loop's API -------------------------------------------------
+
+    def iter(self, iterable: Iterable[T]) -> TimedIterable[T]:
+        """Wrap a data loader (torch DataLoader, Ray Data iterator, any iterable) so
+        the time blocked in each ``next()`` is measured as data wait."""
+        return TimedIterable(self, iterable)
+
+    def step(self) -> _StepTimer:
+        """Context manager around one training step (forward, backward, optimizer)."""
+        return self._step_timer
+
+    def checkpoint(self) -> _PhaseTimer:
+        """Context manager around writing a checkpoint: its cost is measured and sent."""
+        return _PhaseTimer(self, "checkpoint")
+
+    def watch(self, model: T, optimizer: Any = None) -> T:
+        """Watch a model (and optionally its optimizer); returns the model unchanged.
+
+        A ``DistributedDataParallel`` model gets a comm hook timing each gradient
+        bucket's allreduce; any model's parameters, gradients and the optimizer's state
+        are counted for the memory breakdown; a model on CUDA switches step timing to
+        CUDA events and picks the GPU that NVML samples.
+        """
+        try:
+            self._watch(model, optimizer)
+        except Exception as exc:  # never break the job because of rtop
+            note = f"watch() could not instrument the model: {exc!r}"
+            log.warning("rtop: %s", note)
+            self.notes.append(note)
+        return model
+
+    def _watch(self, model: Any, optimizer: Any) -> None:
+        torch = sys.modules.get("torch")
+        self.memory.watch(model, optimizer)
+        if torch is None or model is None:
+            return
+        if self._cuda is None and self.memory.device.startswith("cuda"):
+            from collectors.cuda_events import torch_cuda_pool
+
+            self._cuda = torch_cuda_pool()
+            self._sender.use_cuda_device(int(self.memory.device.split(":")[1]))
+        ddp = torch.nn.parallel.DistributedDataParallel
+        if isinstance(model, ddp):
+            from collectors.commhook import install
+
+            self.notes.append(install(self, model))
+
+    # ---- state and shutdown ------------------------------------------------------
+
+    @property
+    def step_count(self) -> int:
+        """Steps completed so far."""
+        return self._step
+
+    def stats(self) -> dict[str, int]:
+        """Counters: records sent, dropped (buffer full, hub unreachable), frames, connects."""
+        return {"dropped_buffer": self.dropped_buffer, **self._sender.stats()}
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush what can be flushed within ``timeout`` seconds (default from the config)
+        and stop the sender. Safe to call twice; never hangs."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sender.stop(self.config.close_timeout_s if timeout is None else timeout)
+
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

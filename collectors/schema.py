@@ -1,0 +1,108 @@
+"""The records a rank sends, declared as tables of field names that carry their units.
+
+Each record travels as a msgpack array whose items follow the order of its table here,
+so a step record costs a few dozen bytes on the wire. ``None`` means *not measured*
+(no GPU, no DDP model watched, no loader wrapped) and is never replaced by zero.
+
+Seconds unless the name says otherwise: ``_s`` seconds, ``_bytes`` bytes, ``_Bps``
+bytes per second, ``_pct`` percent (0-100), ``_w`` watts, ``_c`` degrees Celsius,
+``_mhz`` megahertz. ``t_wall`` is the rank's own ``time.time()``; the hub corrects it
+with the clock offset it estimates per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: One record per training step (``with probe.step():``).
+STEP_FIELDS: Final = (
+    "step",  # the rank's step counter, from 0
+    "t_wall",  # wall-clock start of the iteration (start of the wait for its batch)
+    "step_s",  # iteration time: gap_s + data_wait_s + the step body
+    "data_wait_s",  # blocked in the loader's next(); None when no loader is wrapped
+    "compute_s",  # step body minus the collective time the body waited for
+    "gpu_s",  # GPU time of the step body from CUDA events; None off CUDA
+    "comm_s",  # union of in-flight collective intervals; None when no DDP model watched
+    "comm_exposed_s",  # part of comm_s not hidden behind backward compute
+    "comm_bytes",  # bytes all-reduced during the step
+    "comm_calls",  # collectives (DDP buckets) launched during the step
+    "algbw_Bps",  # comm_bytes / comm_s
+    "busbw_Bps",  # algbw * 2(n-1)/n, the nccl-tests convention
+    "samples",  # samples in the batch, when the batch tells its size
+    "gap_s",  # time between the previous step's end and this iteration's start
+)
+
+#: NVML sample of the rank's own GPU, about once a second.
+GPU_FIELDS: Final = (
+    "t_wall",
+    "util_pct",
+    "mem_util_pct",
+    "mem_used_bytes",
+    "mem_total_bytes",
+    "power_w",
+    "power_limit_w",
+    "temp_c",
+    "sm_clock_mhz",
+    "sm_clock_max_mhz",
+    "clock_event_reasons",  # NVML bit mask; decode with collectors.nvml.decode_reasons
+    "pcie_tx_Bps",
+    "pcie_rx_Bps",
+    "nvlink_tx_Bps",
+    "nvlink_rx_Bps",
+)
+
+#: psutil sample of the rank's process and its host, about once a second.
+HOST_FIELDS: Final = (
+    "t_wall",
+    "proc_cpu_pct",  # this process; 100 = one core busy
+    "loader_cpu_pct",  # child processes (DataLoader workers) together
+    "loader_procs",  # how many child processes
+    "rss_bytes",
+    "sys_mem_avail_bytes",
+    "sys_mem_total_bytes",
+    "cgroup_mem_limit_bytes",  # None when no cgroup limit applies
+    "sys_cpu_pct",  # whole machine, 100 = all cores busy
+    "load_avg_1m",
+)
+
+#: Memory of the rank's training device, about once a second.
+MEM_FIELDS: Final = (
+    "t_wall",
+    "device",  # "cuda:N" or "cpu"
+    "used_bytes",  # CUDA: torch allocated; CPU: process RSS
+    "reserved_bytes",  # CUDA: torch reserved; CPU: None
+    "peak_bytes",  # CUDA: peak reserved; CPU: peak RSS
+    "capacity_bytes",  # CUDA: device total; CPU: min(machine RAM, cgroup limit)
+    "param_bytes",  # parameters of the watched model(s)
+    "grad_bytes",  # their .grad tensors (largest seen: zero_grad may free them)
+    "optim_bytes",  # tensors held in the watched optimizer's state
+)
+
+#: Heartbeat, about once a second: what the training thread is doing right now.
+HEARTBEAT_FIELDS: Final = (
+    "t_wall",
+    "phase",  # one of PHASES
+    "phase_s",  # how long the current phase has lasted
+    "step",  # last completed step, -1 before the first
+    "stack",  # the training thread's Python stack when phase_s is long, else None
+)
+
+#: One-off events with a duration (a checkpoint being written, ...).
+EVENT_FIELDS: Final = (
+    "t_wall",  # start
+    "kind",  # "checkpoint", ...
+    "duration_s",
+    "step",  # last completed step when it started
+)
+
+PHASES: Final = ("idle", "data", "compute", "comm", "checkpoint")
+
+#: Record tables by the key they travel under in a batch frame.
+TABLES: Final = {
+    "steps": STEP_FIELDS,
+    "gpu": GPU_FIELDS,
+    "host": HOST_FIELDS,
+    "mem": MEM_FIELDS,
+    "hb": HEARTBEAT_FIELDS,
+    "events": EVENT_FIELDS,
+}

@@ -1,0 +1,95 @@
+"""A minimal receiver that speaks the rank side of the wire protocol.
+
+Used by the collector tests and the quick demo, independently of the hub: it accepts
+connections, answers each hello with a welcome, and keeps every decoded frame.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+from collectors import wire
+from collectors.schema import TABLES
+
+
+class Listener:
+    """Accepts rank connections on 127.0.0.1 and records their frames by rank."""
+
+    def __init__(self, port: int = 0, token: str = "test-token") -> None:
+        self.token = token
+        self._srv = socket.create_server(("127.0.0.1", port))
+        self.port = self._srv.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.frames: list[tuple[float, wire.Frame]] = []
+        self.hellos: dict[int, dict[str, Any]] = {}
+        self.refused = 0
+        self._lock = threading.Lock()
+        self._stop = False
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        self._srv.settimeout(0.2)
+        while not self._stop:
+            try:
+                conn, _ = self._srv.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        dec = wire.FrameDecoder()
+        rank = None
+        with conn:
+            while not self._stop:
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                for frame in dec.feed(data):
+                    if frame.kind == wire.KIND_HELLO:
+                        if frame.payload.get("token") != self.token:
+                            self.refused += 1
+                            conn.sendall(wire.encode(wire.KIND_ERROR, {
+                                "code": "token", "message": "wrong token"}))
+                            return
+                        rank = frame.payload["identity"]["rank"]
+                        with self._lock:
+                            self.hellos[rank] = frame.payload
+                        conn.sendall(wire.encode(wire.KIND_WELCOME, {"t_hub": time.time()}))
+                        continue
+                    with self._lock:
+                        self.frames.append((time.time(), frame))
+
+    def records(self, table: str = "steps") -> dict[int, list[dict[str, Any]]]:
+        """Every record of a table received so far, as dicts, by rank."""
+        fields = TABLES[table]
+        out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        with self._lock:
+            frames = list(self.frames)
+        for _, frame in frames:
+            if frame.kind == wire.KIND_BATCH:
+                for row in frame.payload.get(table, []):
+                    out[frame.payload["rank"]].append(dict(zip(fields, row, strict=True)))
+        return out
+
+    def batches(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [f.payload for _, f in self.frames if f.kind == wire.KIND_BATCH]
+
+    def close(self) -> None:
+        self._stop = True
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._srv.close()
+        self._thread.join(2)

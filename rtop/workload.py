@@ -1,0 +1,296 @@
+"""A small, real data-parallel training job with injectable faults.
+
+Used by ``rtop demo``, the benchmarks and the tests: a real model trained with real
+DDP over gloo on synthetic data, run either as local processes
+(``torch.multiprocessing``) or as a Ray Train ``TorchTrainer`` job. Faults are real
+too: a loader that sleeps, extra matrix multiplications, a rank that stops, memory
+that grows, a checkpoint that takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Faults to inject, keyed by rank. All start at ``start_step``."""
+
+    loader_sleep_s: dict[int, float] = field(default_factory=dict)
+    all_loader_sleep_s: float = 0.0
+    extra_compute_s: dict[int, float] = field(default_factory=dict)
+    hang_at_step: dict[int, int] = field(default_factory=dict)
+    die_at_step: dict[int, int] = field(default_factory=dict)
+    mem_grow_bytes_per_step: dict[int, int] = field(default_factory=dict)
+    checkpoint_every: int = 0
+    checkpoint_s: float = 0.0
+    start_step: int = 0
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What to train, for how long, with or without rtop."""
+
+    world_size: int = 2
+    steps: int = 50
+    duration_s: float | None = None  # if set, run until this much time has passed
+    batch: int = 64
+    dim: int = 256
+    hidden: int = 512
+    layers: int = 3
+    instrument: bool = True
+    profile: bool = False  # torch.profiler on for every step (for comparison)
+    hub: str | None = None
+    token: str | None = None
+    threads: int = 1
+    seed: int = 0
+    #: "synthetic" (pre-made batches), "torch" (a torch DataLoader over a TensorDataset)
+    #: or "ray_data" (the Ray Train dataset shard "train", via iter_torch_batches)
+    loader: str = "synthetic"
+    loader_workers: int = 0
+    faults: Faults = field(default_factory=Faults)
+    probe_settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The spec as JSON (to hand to Ray Train's config)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkloadSpec:
+        """The inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        faults = data.pop("faults")
+        for key in ("loader_sleep_s", "extra_compute_s", "hang_at_step", "die_at_step",
+                    "mem_grow_bytes_per_step"):
+            faults[key] = {int(k): v for k, v in faults[key].items()}
+        return cls(faults=Faults(**faults), **data)
+
+
+class SyntheticLoader:
+    """Pre-made batches served in a loop; optionally sleeping per batch like slow I/O."""
+
+    def __init__(self, batches: list[Any], n: int, sleep_s: float = 0.0,
+                 sleep_from: int = 0) -> None:
+        self._batches = batches
+        self._n = n
+        self.sleep_s = sleep_s
+        self._sleep_from = sleep_from
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(self._n):
+            if self.sleep_s and i >= self._sleep_from:
+                time.sleep(self.sleep_s)
+            yield self._batches[i % len(self._batches)]
+
+
+def build_model(spec: WorkloadSpec) -> Any:
+    """An MLP of ``layers`` hidden layers."""
+    import torch
+
+    torch.manual_seed(spec.seed)
+    mods: list[Any] = [torch.nn.Linear(spec.dim, spec.hidden), torch.nn.ReLU()]
+    for _ in range(spec.layers - 1):
+        mods += [torch.nn.Linear(spec.hidden, spec.hidden), torch.nn.ReLU()]
+    mods.append(torch.nn.Linear(spec.hidden, 1))
+    return torch.nn.Sequential(*mods)
+
+
+def _burn(seconds: float, a: Any) -> None:
+    """Real compute (matrix products) for about ``seconds``."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = (a @ a).tanh()
+
+
+def train_loop(rank: int, spec: WorkloadSpec, model: Any, probe: Any) -> list[float]:
+    """Train ``model`` (already DDP-wrapped) and return each iteration's wall time."""
+    import torch
+
+    faults = spec.faults
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + rank)
+    batches = [
+        (torch.randn(spec.batch, spec.dim, generator=gen),
+         torch.randn(spec.batch, 1, generator=gen))
+        for _ in range(8)
+    ]
+    n = spec.steps if spec.duration_s is None else 10**9
+    sleep = faults.loader_sleep_s.get(rank, 0.0) + faults.all_loader_sleep_s
+    loader: Any = SyntheticLoader(batches, n, sleep, faults.start_step)
+    if spec.loader == "torch":
+        dataset = torch.utils.data.TensorDataset(
+            torch.randn(spec.steps * spec.batch, spec.dim, generator=gen),
+            torch.randn(spec.steps * spec.batch, 1, generator=gen))
+        loader = torch.utils.data.DataLoader(dataset, batch_size=spec.batch,
+                                             num_workers=spec.loader_workers)
+    elif spec.loader == "ray_data":
+        import ray.train
+
+        # Ray Data's iterator itself is what the probe wraps: dict batches
+        loader = ray.train.get_dataset_shard("train").iter_torch_batches(
+            batch_size=spec.batch)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if probe is not None:
+        model = probe.watch(model, optimizer=opt)
+        loader = probe.iter(loader)
+    loss_fn = torch.nn.MSELoss()
+    burn = torch.randn(96, 96, generator=gen) / 10
+    hoard: list[Any] = []
+    times: list[float] = []
+    profiler = None
+    if spec.profile:
+        profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+        )
+        profiler.__enter__()
+    started = time.perf_counter()
+    prev = started
+    step_ctx = probe.step if probe is not None else _null_ctx
+    for i, batch in enumerate(loader):
+        if isinstance(batch, dict):  # Ray Data
+            x, y = batch["x"].float(), batch["y"].float().reshape(-1, 1)
+        else:
+            x, y = batch
+        if i >= n:
+            break
+        faulty = i >= faults.start_step
+        if faulty and faults.die_at_step.get(rank) == i:
+            os._exit(17)
+        with step_ctx():
+            if faulty and faults.hang_at_step.get(rank) == i:
+                time.sleep(3600)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            extra = faults.extra_compute_s.get(rank, 0.0)
+            if faulty and extra:
+                _burn(extra, burn)
+            grow = faults.mem_grow_bytes_per_step.get(rank, 0)
+            if faulty and grow:
+                hoard.append(torch.ones(grow // 4, dtype=torch.float32))
+        if faulty and faults.checkpoint_every and (i + 1) % faults.checkpoint_every == 0:
+            ctx = probe.checkpoint() if probe is not None else _null_ctx()
+            with ctx:
+                time.sleep(faults.checkpoint_s)
+        now = time.perf_counter()
+        times.append(now - prev)
+        prev = now
+        if spec.duration_s is not None and (i + 1) % 20 == 0 and _all_agree_to_stop(
+            now - started >= spec.duration_s
+        ):
+            break
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+    return times
+
+
+def _all_agree_to_stop(mine: bool) -> bool:
+    """Every rank must leave the loop at the same step, or the others hang in allreduce."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return mine
+    flag = torch.tensor([1.0 if mine else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+class _null_ctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, spec: WorkloadSpec, port: int, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec.threads)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
+                       "LOCAL_RANK": str(rank)})
+    dist.init_process_group("gloo", rank=rank, world_size=spec.world_size)
+    probe = None
+    if spec.instrument:
+        import collectors
+
+        probe = collectors.start(hub=spec.hub, token=spec.token, **spec.probe_settings)
+    model = torch.nn.parallel.DistributedDataParallel(build_model(spec))
+    times = train_loop(rank, spec, model, probe)
+    if probe is not None:
+        probe.close()
+        stats = probe.stats()
+    else:
+        stats = {}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"times": times, "stats": stats}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_local(spec: WorkloadSpec, timeout_s: float | None = None) -> list[dict[str, Any]]:
+    """Run the job as ``world_size`` local processes; return each rank's results.
+
+    A rank that dies makes ``torch.multiprocessing`` raise; the caller decides.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="rtop-job-") as out_dir:
+        ctx = mp.start_processes(
+            _rank_main, args=(spec, free_port(), out_dir), nprocs=spec.world_size,
+            join=False, start_method="spawn",
+        )
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not ctx.join(timeout=1.0):
+            if deadline is not None and time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                raise TimeoutError(f"workload did not finish within {timeout_s} s")
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text())
+                for r in range(spec.world_size)]
+
+
+def median_step_s(results: list[dict[str, Any]], skip: int = 5) -> float:
+    """Median iteration time over all ranks, skipping each rank's warm-up steps."""
+    return statistics.median(t for r in results for t in r["times"][skip:])
+
+
+def ray_train_loop(config: dict[str, Any]) -> None:
+    """The per-worker function for a Ray Train ``TorchTrainer`` (``config["spec"]``)."""
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    spec = WorkloadSpec.from_json(config["spec"])
+    torch.set_num_threads(spec.threads)
+    probe = None
+    if spec.instrument:
+        import collectors
+
+        probe = collectors.start(hub=spec.hub, token=spec.token, **spec.probe_settings)
+    model = ray.train.torch.prepare_model(build_model(spec))
+    rank = ray.train.get_context().get_world_rank()
+    train_loop(rank, spec, model, probe)
+    if probe is not None:
+        probe.close()

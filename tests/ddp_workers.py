@@ -1,0 +1,125 @@
+"""Worker functions for the comm-hook tests (spawned by torch.multiprocessing)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def _setup(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(40, 300), torch.nn.Tanh(), torch.nn.Linear(300, 300), torch.nn.Tanh(),
+        torch.nn.Linear(300, 7),
+    )
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor, to_none: bool = True) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=to_none)
+    model(x).pow(2).sum().backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def compare_grads(rank: int, world: int, port: int, out: str) -> None:
+    """Hooked vs un-hooked DDP on identical inputs: gradients must be bit-identical."""
+    _compare_grads(rank, world, port, out, as_view=False)
+
+
+def compare_grads_bucket_view(rank: int, world: int, port: int, out: str) -> None:
+    """The same with ``gradient_as_bucket_view=True`` (DDP divides in place there)."""
+    _compare_grads(rank, world, port, out, as_view=True)
+
+
+def _compare_grads(rank: int, world: int, port: int, out: str, as_view: bool) -> None:
+    import collectors
+    from collectors.identity import detect
+
+    _setup(rank, world, port)
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+    kw = {"bucket_cap_mb": 0.1, "gradient_as_bucket_view": as_view}  # several buckets
+    plain = torch.nn.parallel.DistributedDataParallel(_model(), **kw)
+    hooked = probe.watch(torch.nn.parallel.DistributedDataParallel(_model(), **kw))
+    results = []
+    for step in range(6):
+        x = torch.randn(16, 40, generator=torch.Generator().manual_seed(rank * 100 + step))
+        # with bucket views, alternate zeroing in place and setting grads to None:
+        # DDP divides in place in the first case and multiplies while copying in the other
+        to_none = step % 3 == 2 if as_view else True
+        with probe.step():
+            g_hooked = _grads(hooked, x, to_none=to_none)
+        g_plain = _grads(plain, x, to_none=to_none)
+        results.append(all(torch.equal(a, b) for a, b in zip(g_plain, g_hooked, strict=True)))
+    rows = []
+    while probe._records:
+        rows.append(probe._records.popleft())
+    calls = [len(r[6]) for r in rows]
+    probe.close(0.1)
+    with open(os.path.join(out, f"rank{rank}"), "w") as f:
+        f.write(f"{int(all(results))} {max(calls)} {probe.notes[-1]!r}")
+    dist.destroy_process_group()
+
+
+def user_hook_after_watch(rank: int, world: int, port: int, out: str) -> None:
+    """A comm hook the user registers after watch keeps working and is timed."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import collectors
+    from collectors.identity import detect
+
+    _setup(rank, world, port)
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+    calls = {"n": 0}
+
+    def counting_hook(state, bucket):
+        calls["n"] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model = probe.watch(torch.nn.parallel.DistributedDataParallel(_model()))
+    model.register_comm_hook(dist.group.WORLD, counting_hook)
+    plain = torch.nn.parallel.DistributedDataParallel(_model())
+    x = torch.randn(8, 40, generator=torch.Generator().manual_seed(rank))
+    with probe.step():
+        g = _grads(model, x)
+    same = all(torch.equal(a, b) for a, b in zip(_grads(plain, x), g, strict=True))
+    raw = probe._records.popleft()
+    timed = len(raw[6]) > 0 and all(b[1] is not None for b in raw[6])
+    probe.close(0.1)
+    with open(os.path.join(out, f"rank{rank}"), "w") as f:
+        f.write(f"{calls['n']} {int(timed)} {int(same)}")
+    dist.destroy_process_group()
+
+
+def user_hook_before_watch(rank: int, world: int, port: int, out: str) -> None:
+    """A hook registered before watch stays in charge; rtop says comm is unmeasured."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import collectors
+    from collectors.identity import detect
+
+    _setup(rank, world, port)
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+    calls = {"n": 0}
+
+    def counting_hook(state, bucket):
+        calls["n"] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    model.register_comm_hook(dist.group.WORLD, counting_hook)
+    model = probe.watch(model)
+    x = torch.randn(8, 40, generator=torch.Generator().manual_seed(rank))
+    with probe.step():
+        _grads(model, x)
+    raw = probe._records.popleft()
+    probe.close(0.1)
+    with open(os.path.join(out, f"rank{rank}"), "w") as f:
+        f.write(f"{calls['n']} {int(raw[6] is None)} {probe.notes[-1]!r}")
+    dist.destroy_process_group()
