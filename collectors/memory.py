@@ -24,7 +24,13 @@ def _tensor_bytes(t: Any) -> int:
 
 def static_bytes(models: list[Any], optimizers: list[Any]) -> tuple[int, int, int]:
     """``(param_bytes, grad_bytes, optim_bytes)`` of models and optimizers, shared
-    tensors counted once."""
+    tensors counted once.
+
+    Gradients are counted as the bytes of the parameters that require one (a gradient
+    has its parameter's shape and dtype) rather than by reading ``p.grad``: this runs
+    on the sender thread, and the autograd engine swaps ``.grad`` without the GIL while
+    backward runs, so touching it from another thread can crash the process.
+    """
     seen: set[int] = set()
     params = grads = optim = 0
     for model in models:
@@ -32,9 +38,10 @@ def static_bytes(models: list[Any], optimizers: list[Any]) -> tuple[int, int, in
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            params += _tensor_bytes(p)
-            if p.grad is not None:
-                grads += _tensor_bytes(p.grad)
+            nbytes = _tensor_bytes(p)
+            params += nbytes
+            if p.requires_grad:
+                grads += nbytes
     torch = sys.modules.get("torch")
     for opt in optimizers:
         for state in list(opt.state.values()):
@@ -60,7 +67,6 @@ class MemorySampler:
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._cuda_index: int | None = None
         self._static: tuple[int | None, int | None, int | None] = (None, None, None)
-        self._grad_peak = 0
         self._count = 0
         self._peak_rss = 0
         self._proc = psutil.Process()
@@ -93,10 +99,7 @@ class MemorySampler:
             if models or opts:
                 try:
                     p, g, o = static_bytes(models, opts)
-                    # zero_grad(set_to_none=True) frees gradients between steps: keep
-                    # the largest seen, which is what they take at the peak.
-                    self._grad_peak = max(self._grad_peak, g)
-                    self._static = (p, self._grad_peak, o if opts else None)
+                    self._static = (p, g, o if opts else None)
                 except Exception:  # a model mutating under us: keep the last count
                     pass
         self._count += 1

@@ -74,7 +74,7 @@ MEM_FIELDS: Final = (
     "peak_bytes",  # CUDA: peak reserved; CPU: peak RSS
     "capacity_bytes",  # CUDA: device total; CPU: min(machine RAM, cgroup limit)
     "param_bytes",  # parameters of the watched model(s)
-    "grad_bytes",  # their .grad tensors (largest seen: zero_grad may free them)
+    "grad_bytes",  # what their gradients take (parameters that require grad)
     "optim_bytes",  # tensors held in the watched optimizer's state
 )
 

@@ -1,11 +1,12 @@
 """The sender thread: the only place a probe samples, resolves, encodes and sends.
 
-One daemon thread per process. Every ``tick`` it takes the training thread's finished
-steps, turns them into step records (resolving CUDA events that have completed),
-samples GPU / host / memory / heartbeat on their own period, packs everything into a
-batch frame every ``flush_interval_s`` and writes frames to the hub over a
-non-blocking socket. A frame is either sent whole or dropped whole and counted; the
-hub never sees half a frame from a healthy connection.
+One daemon thread per process. About twice a second (and whenever the hub sends a
+frame) it takes the training thread's finished steps, turns them into step records
+(resolving CUDA events that have completed), samples GPU / host / memory / heartbeat
+on their own period, packs everything into a batch frame every ``flush_interval_s``
+and writes frames to the hub over a non-blocking socket. A frame is either sent whole
+or dropped whole and counted; the hub never sees half a frame from a healthy
+connection.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import random
 import select
 import socket
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("collectors")
 
-TICK_S = 0.1  # shortest sender tick; a quarter of the flush interval when that is longer
 MAX_STACK_CHARS = 16_000
 STACK_REPEAT_S = 5.0
 RECV_BYTES = 65536
@@ -67,9 +68,15 @@ class Sender(threading.Thread):
         self._p = probe
         self._cfg = probe.config
         self._stop_evt = threading.Event()
+        # The thread sleeps in select() on the hub socket and this pipe: it wakes for a
+        # frame from the hub (a ping is answered at once) or for stop(), else once a
+        # flush interval: a couple of wake-ups a second in all.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._deadline: float | None = None
         self._once = _Once()
-        self.resolve_hub = self._hub_from_config
+        self._finishing = False
         # records waiting to be batched
         self._rows: dict[str, list[list[Any]]] = {key: [] for key in TABLES}
         self._n_rows = 0
@@ -140,6 +147,8 @@ class Sender(threading.Thread):
         """Flush within ``timeout`` seconds, then end the thread. Never hangs."""
         self._deadline = time.monotonic() + max(0.0, timeout)
         self._stop_evt.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout + 0.5)
 
@@ -150,7 +159,7 @@ class Sender(threading.Thread):
         next_sample = 0.0
         next_flush = time.monotonic() + self._cfg.flush_interval_s
         next_clock = time.monotonic() + 10.0
-        tick = max(TICK_S, self._cfg.flush_interval_s / 4)
+        tick = max(0.05, min(self._cfg.flush_interval_s, self._cfg.sample_interval_s))
         try:
             while True:
                 stopping = self._stop_evt.is_set()
@@ -169,13 +178,33 @@ class Sender(threading.Thread):
                     self._finish()
                     return
                 self._pump(now)
-                self._stop_evt.wait(tick)
+                self._sleep(min(tick, max(0.0, min(next_flush, next_sample) - now) + 0.001))
         except Exception:
             log.exception("rtop: the collector's sender thread stopped on an error")
         finally:
             self._close_socket()
             if self._nvml is not None:
                 self._nvml.close()
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _sleep(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the hub to send something, or for stop()."""
+        readers: list[Any] = [self._wake_r]
+        writers: list[Any] = []
+        if self._sock is not None:
+            readers.append(self._sock)
+            if self._writing and self._state == "up":
+                writers.append(self._sock)  # a stalled write resumes as soon as it can
+        try:
+            ready, _, _ = select.select(readers, writers, [], timeout)
+        except (OSError, ValueError):
+            time.sleep(timeout)
+            return
+        if self._wake_r in ready:
+            with contextlib.suppress(OSError):
+                os.read(self._wake_r, 64)
 
     # ---- steps -------------------------------------------------------------------
 
@@ -352,6 +381,7 @@ class Sender(threading.Thread):
         self._seq += 1
         payload: dict[str, Any] = {
             "rank": self._p.identity.rank,
+            "group": self._p.identity.group,
             "seq": self._seq,
             "t_wall": time.time(),
             "dropped": self.dropped_total(),
@@ -381,11 +411,15 @@ class Sender(threading.Thread):
 
     # ---- connection --------------------------------------------------------------
 
-    def _hub_from_config(self) -> tuple[str, int, str | None] | None:
-        if not self._cfg.hub:
-            return None
-        host, port = parse_hub(self._cfg.hub)
-        return host, port, self._cfg.token
+    def resolve_hub(self) -> tuple[str, int, str | None] | None:
+        """The hub to connect to: configured, or discovered (see collectors.discovery).
+
+        While closing, only an existing hub is looked up; none is started.
+        """
+        from collectors.discovery import resolve
+
+        return resolve(self._p.identity, self._cfg.hub, self._cfg.token,
+                       allow_spawn=not self._finishing)
 
     def _connect(self, now: float, timeout: float) -> None:
         try:
@@ -564,6 +598,7 @@ class Sender(threading.Thread):
     def _finish(self) -> None:
         """Last flush on close: send what can be sent before the deadline, then bye."""
         deadline = self._deadline if self._deadline is not None else time.monotonic() + 1.0
+        self._finishing = True
         bye_queued = False
         if self._sock is None and deadline > time.monotonic():
             # one last attempt, bounded by the deadline
@@ -576,7 +611,8 @@ class Sender(threading.Thread):
             if self._state == "up" and not self._outbox and not self._writing:
                 if bye_queued:
                     break
-                bye = {"rank": self._p.identity.rank, "dropped": self.dropped_total()}
+                bye = {"rank": self._p.identity.rank, "group": self._p.identity.group,
+                       "dropped": self.dropped_total()}
                 self._writing.append([memoryview(wire.encode(wire.KIND_BYE, bye)), 0])
                 bye_queued = True
             self._service(now)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
 import sys
+import time
+from typing import Any
 
 from rtop import __version__
 
@@ -15,6 +19,34 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rtop", description="top for distributed training (PyTorch DDP, Ray Train)")
     parser.add_argument("--version", action="version", version=f"rtop {__version__}")
     sub = parser.add_subparsers(dest="command")
+
+    serve = sub.add_parser("serve", help="run a standalone hub")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default loopback only)")
+    serve.add_argument("--port", type=int, default=0, help="port (default: any free one)")
+    serve.add_argument("--token", default=None,
+                       help="token every connection must present (default: a random one)")
+    serve.add_argument("--record", default=None, metavar="PATH",
+                       help="recording file (default: $RTOP_RUNS_DIR or "
+                            "~/.local/share/rtop/runs/<job>-<time>.rtop)")
+    serve.add_argument("--no-record", action="store_true", help="do not record the run")
+    serve.add_argument("--job", default="", help="a name for the job")
+    serve.add_argument("--discovery-file", default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--auto", action="store_true", help=argparse.SUPPRESS)
+    serve.add_argument("--linger", type=float, default=None, metavar="S",
+                       help="exit S seconds after the job ended and no viewer is attached")
+
+    report = sub.add_parser("report", help="summarise a recorded run")
+    report.add_argument("run", help="a recording (.rtop); may still be being written")
+    report.add_argument("--json", action="store_true", help="print JSON")
+
+    status = sub.add_parser("status", help="print the ranks of a live job once")
+    status.add_argument("address", nargs="?", help="hub host:port (default: discover)")
+    status.add_argument("--token", default=None)
+    status.add_argument("--json", action="store_true")
+
+    sub.add_parser("list", help="list the hubs rtop can find")
+
     demo = sub.add_parser("demo", help="run a real instrumented DDP job with a fault")
     demo.add_argument("--fault", choices=["starved", "straggler", "memory", "none"],
                       default="starved")
@@ -25,14 +57,157 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rtop`` console script."""
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = build_parser().parse_args(argv)
+    level = logging.INFO if args.command == "serve" else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "report":
+        return cmd_report(args)
+    if args.command == "status":
+        return cmd_status(args)
+    if args.command == "list":
+        return cmd_list()
     if args.command == "demo":
         from rtop import demo
 
         return demo.run(args.fault, args.ranks, args.steps)
-    build_parser().print_help()
+    return cmd_status(argparse.Namespace(address=None, token=None, json=False))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``rtop serve``: a hub in the foreground until Ctrl-C."""
+    from collectors.discovery import runtime_dir
+    from rtop.hub.server import HubConfig, is_loopback
+    from rtop.hub.service import serve
+
+    if not is_loopback(args.host) and args.token == "":
+        print("rtop serve: refusing to listen beyond loopback without a token",
+              file=sys.stderr)
+        return 2
+    discovery = args.discovery_file
+    if discovery is None:
+        name = args.job or f"serve-{os.getpid()}"
+        discovery = str(runtime_dir() / f"hub-{name}.json")
+    linger = args.linger if args.linger is not None else (300.0 if args.auto else None)
+    cfg = HubConfig(host=args.host, port=args.port, token=args.token, job=args.job,
+                    record="" if args.no_record else args.record, linger_s=linger,
+                    discovery_file=discovery)
+
+    def ready(hub: Any) -> None:
+        rec = hub.recorder.path if hub.recorder else "off"
+        # the token is printed once, to the person who started the hub, and never logged
+        print(f"rtop hub {hub.address}\n  RTOP_HUB={hub.address} RTOP_TOKEN={hub.token}\n"
+              f"  recording: {rec}", flush=True)
+
+    try:
+        asyncio.run(serve(cfg, ready))
+    except OSError as exc:
+        print(f"rtop serve: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """``rtop report RUN [--json]``."""
+    from collectors.wire import WireError
+    from rtop.report import build_report, format_text, to_json
+
+    try:
+        report = build_report(args.run)
+    except FileNotFoundError:
+        print(f"rtop report: no such file: {args.run}", file=sys.stderr)
+        return 2
+    except WireError as exc:
+        print(f"rtop report: {exc}", file=sys.stderr)
+        return 2
+    print(to_json(report) if args.json else format_text(report))
+    return 0
+
+
+def _pick_hub(address: str | None, token: str | None) -> tuple[str, str | None] | None:
+    from rtop.discovery import find_hubs
+
+    if address:
+        return address, token or os.environ.get("RTOP_TOKEN")
+    hubs = find_hubs()
+    if not hubs:
+        print("rtop: no running job found. Start one with collectors.start() in your "
+              "training script, or run `rtop serve`; set RTOP_HUB/RTOP_TOKEN to point "
+              "at a hub elsewhere.", file=sys.stderr)
+        return None
+    if len(hubs) == 1:
+        return hubs[0].address, hubs[0].token
+    print("rtop: several jobs are running:")
+    for i, hub in enumerate(hubs, 1):
+        print(f"  {i}. {hub.label()}")
+    if not sys.stdin.isatty():
+        print("rtop: choose one with `rtop status HOST:PORT`", file=sys.stderr)
+        return None
+    choice = input(f"attach to which (1-{len(hubs)})? ").strip()
+    if not choice.isdigit() or not 1 <= int(choice) <= len(hubs):
+        return None
+    hub = hubs[int(choice) - 1]
+    return hub.address, hub.token
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``rtop status``: one snapshot of the ranks, as text or JSON."""
+    import json
+
+    from rtop.client import HubClient, HubError
+
+    picked = _pick_hub(args.address, args.token)
+    if picked is None:
+        return 1
+    try:
+        with HubClient(*picked) as client:
+            snap = client.snapshot()
+    except HubError as exc:
+        print(f"rtop: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(snap, default=str))
+    else:
+        print(format_snapshot(snap))
+    return 0
+
+
+def cmd_list() -> int:
+    """``rtop list``: the hubs rtop can find."""
+    from rtop.discovery import find_hubs
+
+    hubs = find_hubs()
+    for hub in hubs:
+        print(hub.label())
+    if not hubs:
+        print("no running hubs found")
+    return 0
+
+
+def format_snapshot(snap: dict[str, Any]) -> str:
+    """A plain-text table of a snapshot's ranks."""
+    run, cols = snap["run"], snap["ranks"]
+
+    def f(v: Any, scale: float = 1.0, d: int = 1) -> str:
+        return "n/a" if v is None else f"{v * scale:.{d}f}"
+
+    lines = [f"job {run.get('job') or '(unnamed)'}  attempt {run.get('attempt')}  "
+             f"world {run.get('world_size')}  ranks seen {run.get('ranks_seen')}  "
+             f"up {run.get('uptime_s', 0):.0f} s  at {time.strftime('%H:%M:%S')}"]
+    for finding in snap.get("findings") or []:
+        lines.append(f"! {finding.get('kind')}: {finding.get('summary')}")
+    head = (f"{'rank':>4} {'node':<14} {'status':<8} {'step':>6} {'step ms':>8} "
+            f"{'data ms':>8} {'comp ms':>8} {'comm ms':>8} {'busbw GB/s':>10} {'GPU %':>6}")
+    lines += [head, "-" * len(head)]
+    for i, rank in enumerate(cols.get("rank", [])):
+        lines.append(
+            f"{rank:>4} {cols['node'][i][:14]:<14} {cols['status'][i]:<8} "
+            f"{cols['step'][i]:>6} {f(cols['step_s'][i], 1e3):>8} "
+            f"{f(cols['data_wait_s'][i], 1e3):>8} {f(cols['compute_s'][i], 1e3):>8} "
+            f"{f(cols['comm_s'][i], 1e3):>8} {f(cols['busbw_Bps'][i], 1e-9, 3):>10} "
+            f"{f(cols['gpu_util_pct'][i], 1, 0):>6}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -23,3 +23,14 @@ def median(rows: list[dict[str, Any]], key: str) -> float:
     values = [r[key] for r in rows if r[key] is not None]
     assert values, f"{key} was never measured"
     return statistics.median(values)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_rtop_env(tmp_path, monkeypatch):
+    """No test starts a node-local hub by accident or writes outside its tmp dir."""
+    monkeypatch.setenv("RTOP_AUTOHUB", "0")
+    monkeypatch.setenv("RTOP_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    (tmp_path / "xdg").mkdir(mode=0o700, exist_ok=True)
+    for name in ("RTOP_HUB", "RTOP_TOKEN"):
+        monkeypatch.delenv(name, raising=False)

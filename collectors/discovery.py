@@ -1,0 +1,199 @@
+"""Finding the hub without configuration, from inside a rank.
+
+In order:
+
+1. ``RTOP_HUB`` / ``RTOP_TOKEN`` (or ``collectors.start(hub=..., token=...)``).
+2. Inside a Ray Train worker: a detached named actor, ``rtop-hub-<run id>`` in the
+   ``rtop`` namespace with zero CPUs, runs the hub; whichever rank comes first creates
+   it (``get_if_exists`` makes that race-free) and every rank asks it for its address
+   and token.
+3. Otherwise (torchrun, a single process): the hub of this job on this node is found
+   through a file in the user's runtime directory; the first rank to take the lock
+   beside it starts one (``python -m rtop serve --auto``, its own process, so it can
+   never slow a rank down) and the others wait for the file.
+
+This runs on the collector's sender thread, never on the training thread. It imports
+Ray only when the process already has it, and never imports ``rtop``: the hub runs in
+another process (the Ray actor's, or its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from collectors.identity import Identity
+
+log = logging.getLogger("collectors")
+
+HubAddress = tuple[str, int, "str | None"]
+RAY_NAMESPACE = "rtop"
+SPAWN_WAIT_S = 15.0
+
+
+def runtime_dir() -> Path:
+    """The user's private directory for hub files: ``$XDG_RUNTIME_DIR/rtop``, else
+    ``/tmp/rtop-<uid>``; created 0700 and refused if anyone else could write to it."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "rtop" if base and os.access(base, os.W_OK) else \
+        Path(f"/tmp/rtop-{os.getuid()}")
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"{path} is not private to this user; not using it")
+    return path
+
+
+def job_key(identity: Identity) -> str:
+    """A file-name-safe key naming this job on this node."""
+    key = identity.job or (f"pid{identity.pid}" if identity.world_size == 1 else "default")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:80]
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this pid exists (and may be someone else's)."""
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        return exc.errno == errno.EPERM
+    return True
+
+
+def read_hub_file(path: Path) -> dict[str, Any] | None:
+    """A hub file's contents if it names a live hub process, else None."""
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
+        return None
+    if not pid_alive(info["pid"]) or not isinstance(info.get("address"), str):
+        return None
+    return info
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def local_hub(identity: Identity, spawn: bool = True) -> HubAddress | None:
+    """The node-local hub of this job, started by the first rank to ask if need be."""
+    rdir = runtime_dir()
+    key = job_key(identity)
+    path = rdir / f"hub-{key}.json"
+    info = read_hub_file(path)
+    if info is None and spawn:
+        import fcntl
+
+        with open(rdir / f"hub-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the other ranks of the node wait here
+            info = read_hub_file(path)
+            if info is None:
+                info = _spawn_local_hub(key, path, rdir)
+    if info is None:
+        return None
+    host, port = _split(info["address"])
+    return host, port, info.get("token")
+
+
+def _spawn_local_hub(key: str, path: Path, rdir: Path) -> dict[str, Any] | None:
+    cmd = [sys.executable, "-m", "rtop", "serve", "--auto", "--job", key,
+           "--discovery-file", str(path)]
+    log.info("rtop: starting this node's hub for job %s", key)
+    with open(rdir / f"hub-{key}.log", "ab") as out:
+        try:
+            subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                             start_new_session=True, close_fds=True)
+        except OSError as exc:
+            log.warning("rtop: could not start a hub (%s); set RTOP_HUB to use one", exc)
+            return None
+    deadline = time.monotonic() + SPAWN_WAIT_S
+    while time.monotonic() < deadline:
+        info = read_hub_file(path)
+        if info is not None:
+            return info
+        time.sleep(0.1)
+    log.warning("rtop: the hub did not start within %.0f s (see %s)", SPAWN_WAIT_S,
+                rdir / f"hub-{key}.log")
+    return None
+
+
+class RayHubActor:
+    """The Ray actor that runs a job's hub. Its code runs in the actor's own process,
+    where importing the application (``rtop``) is fine."""
+
+    def __init__(self, job: str, record: str | None = None) -> None:
+        from rtop.hub.service import ThreadedHub
+
+        self._hub = ThreadedHub(job=job, record=record, host="0.0.0.0", linger_s=600.0,
+                                on_exit=self._exit)
+        self._hub.start()
+
+    def _exit(self) -> None:
+        import ray
+
+        ray.actor.exit_actor()  # type: ignore[no-untyped-call]
+
+    def address(self) -> tuple[str, int, str]:
+        """``(host, port, token)`` of the hub."""
+        host, port = _split(self._hub.address)
+        return host, port, self._hub.token
+
+    def info(self) -> dict[str, Any]:
+        """What ``rtop`` shows when listing hubs."""
+        return {"address": self._hub.address, "token": self._hub.token,
+                "job": self._hub.job, "record": self._hub.record_path}
+
+
+def ray_actor_name(identity: Identity) -> str:
+    """The hub actor's name for this Ray Train run."""
+    return f"rtop-hub-{job_key(identity)}"
+
+
+def ray_hub(identity: Identity, create: bool = True) -> HubAddress | None:
+    """Ask (or make) this Ray Train run's hub actor for the hub's address and token."""
+    if "ray" not in sys.modules:
+        return None
+    import ray
+
+    name = ray_actor_name(identity)
+    actor: Any
+    try:
+        actor = ray.get_actor(name, namespace=RAY_NAMESPACE)
+    except ValueError:
+        if not create:
+            return None
+        remote_cls: Any = ray.remote(RayHubActor)
+        actor = remote_cls.options(
+            name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
+            num_cpus=0, max_restarts=0,
+        ).remote(job_key(identity))
+    host, port, token = ray.get(actor.address.remote(), timeout=60)
+    return str(host), int(port), str(token)
+
+
+def resolve(identity: Identity, hub: str | None, token: str | None,
+            allow_spawn: bool = True) -> HubAddress | None:
+    """Where this rank's hub is: explicit address, Ray actor, or the node-local hub."""
+    if hub:
+        host, port = _split(hub)
+        return host, port, token
+    if os.environ.get("RTOP_AUTOHUB", "1").lower() in ("0", "false", "no"):
+        return None
+    if identity.source == "ray":
+        with contextlib.suppress(Exception):
+            found = ray_hub(identity, create=allow_spawn)
+            if found is not None:
+                return found
+    return local_hub(identity, spawn=allow_spawn)

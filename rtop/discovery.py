@@ -1,0 +1,97 @@
+"""Finding running hubs from a viewer's side: the environment, this user's hub files,
+and the hub actors of a Ray cluster this machine belongs to."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from collectors.discovery import RAY_NAMESPACE, read_hub_file, runtime_dir
+
+log = logging.getLogger("rtop")
+
+
+@dataclass(frozen=True)
+class FoundHub:
+    """A hub a viewer can attach to."""
+
+    address: str
+    token: str | None
+    job: str
+    source: str  # env | file | ray
+    record: str | None = None
+
+    def label(self) -> str:
+        """One line for a list of hubs."""
+        rec = f"  recording {self.record}" if self.record else ""
+        return f"{self.job or '(unnamed job)'}  {self.address}  [{self.source}]{rec}"
+
+
+def from_env() -> FoundHub | None:
+    """``RTOP_HUB`` / ``RTOP_TOKEN``."""
+    if not os.environ.get("RTOP_HUB"):
+        return None
+    return FoundHub(os.environ["RTOP_HUB"], os.environ.get("RTOP_TOKEN"), "", "env")
+
+
+def from_files(directory: Path | None = None) -> list[FoundHub]:
+    """Live hubs that left a file in this user's runtime directory."""
+    found = []
+    try:
+        rdir = directory or runtime_dir()
+    except OSError:
+        return []
+    for path in sorted(rdir.glob("hub-*.json")):
+        info = read_hub_file(path)
+        if info is not None:
+            found.append(FoundHub(info["address"], info.get("token"), str(info.get("job", "")),
+                                  "file", info.get("record")))
+    return found
+
+
+def _ray_cluster_running() -> bool:
+    return bool(os.environ.get("RAY_ADDRESS")) or Path("/tmp/ray/ray_current_cluster").exists()
+
+
+def from_ray() -> list[FoundHub]:
+    """Hub actors of the Ray cluster this machine is part of (if Ray is installed and a
+    cluster is running; never starts one)."""
+    if not _ray_cluster_running():
+        return []
+    try:
+        import ray
+    except ImportError:
+        return []
+    found: list[FoundHub] = []
+    try:
+        if not ray.is_initialized():
+            ray.init(address="auto", namespace=RAY_NAMESPACE, logging_level=logging.ERROR,
+                     log_to_driver=False)
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name, ns = entry.get("name", ""), entry.get("namespace", "")
+            if ns != RAY_NAMESPACE or not name.startswith("rtop-hub-"):
+                continue
+            with contextlib.suppress(Exception):
+                actor = ray.get_actor(name, namespace=ns)
+                info: dict[str, Any] = dict(ray.get(actor.info.remote(), timeout=10))
+                found.append(FoundHub(info["address"], info.get("token"),
+                                      str(info.get("job", "")), "ray", info.get("record")))
+    except Exception as exc:
+        log.warning("rtop: could not list the Ray cluster's hubs: %s", exc)
+    return found
+
+
+def find_hubs(ray: bool = True) -> list[FoundHub]:
+    """Every hub this user can attach to, the environment's first."""
+    hubs: list[FoundHub] = []
+    env = from_env()
+    if env is not None:
+        hubs.append(env)
+    hubs += [h for h in from_files() if all(h.address != x.address for x in hubs)]
+    if ray:
+        hubs += [h for h in from_ray() if all(h.address != x.address for x in hubs)]
+    return hubs

@@ -1,0 +1,128 @@
+"""Running a hub: in the foreground (``rtop serve``) or on a thread of its own (the Ray
+actor, tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from rtop.hub.server import Hub, HubConfig
+
+log = logging.getLogger("rtop.hub")
+
+
+def default_analyzer() -> Callable[[Any], list[dict[str, Any]]] | None:
+    """The diagnosis function, when the analysis package is present."""
+    try:
+        from rtop.analysis import analyze_state
+    except ImportError:
+        return None
+    fn: Callable[[Any], list[dict[str, Any]]] = analyze_state
+    return fn
+
+
+async def serve(cfg: HubConfig, ready: Callable[[Hub], None] | None = None) -> None:
+    """Run a hub until it is closed, a signal arrives, or it has lingered long enough."""
+    hub = Hub(cfg, analyze=default_analyzer())
+    await hub.start()
+    if ready is not None:
+        ready(hub)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, lambda: loop.create_task(hub.close()))
+    try:
+        await hub.serve_forever()
+    finally:
+        await hub.close()
+
+
+class ThreadedHub:
+    """A hub on a daemon thread with its own event loop.
+
+    ``start()`` returns once it listens; ``address`` and ``token`` are then set.
+    """
+
+    def __init__(self, job: str = "", record: str | None = None, host: str = "127.0.0.1",
+                 port: int = 0, token: str | None = None, linger_s: float | None = None,
+                 on_exit: Callable[[], None] | None = None, **settings: Any) -> None:
+        self.cfg = HubConfig(host=host, port=port, token=token, job=job,
+                             record=record if record is not None else None,
+                             linger_s=linger_s, **settings)
+        self.job = job
+        self.hub: Hub | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._on_exit = on_exit
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rtop-hub", daemon=True)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the hub listens on."""
+        return self.hub.address if self.hub else ""
+
+    @property
+    def token(self) -> str:
+        """The hub's token."""
+        return self.hub.token if self.hub else ""
+
+    @property
+    def record_path(self) -> str | None:
+        """Where the hub records, if it does."""
+        rec = self.hub.recorder if self.hub else None
+        return str(rec.path) if rec else None
+
+    def start(self, timeout: float = 10.0) -> ThreadedHub:
+        """Start the thread and wait until the hub listens."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the hub did not start")
+        if self._error is not None:
+            raise RuntimeError(f"the hub failed to start: {self._error}") from self._error
+        return self
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+
+        async def main() -> None:
+            self.hub = Hub(self.cfg, analyze=default_analyzer())
+            try:
+                await self.hub.start()
+            finally:
+                self._ready.set()
+            await self.hub.serve_forever()
+            await self.hub.close()
+
+        try:
+            loop.run_until_complete(main())
+        except BaseException as exc:  # reported to start()
+            self._error = exc
+            self._ready.set()
+        finally:
+            loop.close()
+        if self._on_exit is not None:
+            self._on_exit()
+
+    def call(self, fn: Callable[[Hub], Any], timeout: float = 10.0) -> Any:
+        """Run ``fn(hub)`` on the hub's loop and return its result."""
+        assert self._loop is not None and self.hub is not None
+        hub = self.hub
+
+        async def run() -> Any:
+            return fn(hub)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the hub (flushing the recording) and join its thread."""
+        if self._loop is not None and self.hub is not None and self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self.hub.close(), self._loop).result(timeout)
+        self._thread.join(timeout)
