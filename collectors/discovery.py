@@ -19,7 +19,6 @@ another process (the Ray actor's, or its own).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -38,6 +37,7 @@ log = logging.getLogger("collectors")
 
 HubAddress = tuple[str, int, "str | None"]
 RAY_NAMESPACE = "rtop"
+_warned: set[str] = set()
 SPAWN_WAIT_S = 15.0
 
 
@@ -155,6 +155,12 @@ class RayHubActor:
         return {"address": self._hub.address, "token": self._hub.token,
                 "job": self._hub.job, "record": self._hub.record_path}
 
+    def shutdown(self) -> str | None:
+        """Stop the hub (the recording is flushed and closed); returns its path."""
+        path = self._hub.record_path
+        self._hub.stop()
+        return path
+
 
 def ray_actor_name(identity: Identity) -> str:
     """The hub actor's name for this Ray Train run."""
@@ -192,8 +198,14 @@ def resolve(identity: Identity, hub: str | None, token: str | None,
     if os.environ.get("RTOP_AUTOHUB", "1").lower() in ("0", "false", "no"):
         return None
     if identity.source == "ray":
-        with contextlib.suppress(Exception):
+        try:
             found = ray_hub(identity, create=allow_spawn)
-            if found is not None:
-                return found
+        except Exception as exc:
+            if "ray" not in _warned:
+                _warned.add("ray")
+                log.warning("rtop: could not reach this Ray job's hub actor (%s); trying "
+                            "a node-local hub", exc)
+            found = None
+        if found is not None:
+            return found
     return local_hub(identity, spawn=allow_spawn)

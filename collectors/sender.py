@@ -551,7 +551,7 @@ class Sender(threading.Thread):
             self.connects += 1
             self._backoff = self._cfg.backoff_initial_s
             self._hub_info.update(frame.payload)
-            log.info("rtop: connected to hub")
+            log.debug("rtop: connected to hub")
         elif frame.kind == wire.KIND_PING:
             pong = {
                 "t_hub": frame.payload.get("t_hub"),

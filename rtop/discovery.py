@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,18 @@ def from_files(directory: Path | None = None) -> list[FoundHub]:
 
 
 def _ray_cluster_running() -> bool:
-    return bool(os.environ.get("RAY_ADDRESS")) or Path("/tmp/ray/ray_current_cluster").exists()
+    """Whether this machine is part of a Ray cluster, without importing Ray (slow)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return True
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    import psutil
+
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] in ("gcs_server", "raylet"):
+            return True
+    return False
 
 
 def from_ray() -> list[FoundHub]:

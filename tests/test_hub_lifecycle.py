@@ -1,0 +1,218 @@
+"""The hub as users run it: `rtop serve`, killed and restarted under a live DDP job,
+recordings cut short, the report's public contract, and discovery without settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rtop.client import HubClient
+from rtop.report import build_report
+from rtop.workload import Faults, WorkloadSpec, free_port, run_local
+
+RTOP = [sys.executable, "-m", "rtop"]
+
+
+def start_serve(port: int, token: str, record: Path, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen([*RTOP, "serve", "--port", str(port), "--token", token,
+                             "--record", str(record), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"rtop serve exited: {proc.stdout.read()}") from None
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("rtop serve did not start listening")
+
+
+def stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.stdout.read() if proc.stdout else ""
+
+
+def test_public_contract_serve_collectors_report(tmp_path):
+    port, token, record = free_port(), "contract-token", tmp_path / "run.rtop"
+    hub = start_serve(port, token, record)
+    try:
+        spec = WorkloadSpec(world_size=2, steps=30, dim=64, hidden=128,
+                            faults=Faults(loader_sleep_s={1: 0.02}))
+        env = {"RTOP_HUB": f"127.0.0.1:{port}", "RTOP_TOKEN": token}
+        os.environ.update(env)  # the ranks read them, as the contract says
+        try:
+            run_local(spec, timeout_s=120)
+        finally:
+            for k in env:
+                os.environ.pop(k)
+        # the recording is still being written: report reads up to the last whole frame
+        time.sleep(1.2)
+        live = subprocess.run([*RTOP, "report", str(record), "--json"], capture_output=True,
+                              text=True, check=True)
+        report = json.loads(live.stdout)
+        assert set(report) >= {"ranks", "findings"}
+        assert isinstance(report["findings"], list)
+        ranks = {r["rank"]: r for r in report["ranks"]}
+        assert sorted(ranks) == [0, 1]
+        for r in ranks.values():
+            for key in ("rank", "node", "steps", "step_s", "data_wait_s", "compute_s",
+                        "comm_s", "comm_bytes", "busbw_Bps"):
+                assert key in r
+            assert r["steps"] == 30
+            assert r["gpu_util_pct"] is None  # not measured here: null, never 0
+            assert r["comm_bytes"] > 0 and r["busbw_Bps"] > 0
+        assert ranks[1]["data_wait_s"] == pytest.approx(0.02, rel=0.3)
+        assert ranks[0]["data_wait_s"] < 0.005
+        text = subprocess.run([*RTOP, "report", str(record)], capture_output=True, text=True,
+                              check=True).stdout
+        assert "Findings" in text and "finished" in text
+    finally:
+        log = stop(hub)
+    assert log.count(token) == 1, "the token is printed once, in the banner, never logged"
+
+
+def test_hub_killed_and_restarted_under_a_live_job(tmp_path):
+    port, token = free_port(), "restart-token"
+    r1, r2 = tmp_path / "first.rtop", tmp_path / "second.rtop"
+    hub = start_serve(port, token, r1)
+    spec = WorkloadSpec(world_size=2, duration_s=16.0, dim=64, hidden=128,
+                        hub=f"127.0.0.1:{port}", token=token,
+                        probe_settings={"backoff_max_s": 1.0})
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(res=run_local(spec, timeout_s=180)))
+    job.start()
+    try:
+        with HubClient(f"127.0.0.1:{port}", token) as c:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and min(c.snapshot()["ranks"]["step"] or [-1]) < 20:
+                time.sleep(0.2)
+        time.sleep(1.2)  # the hub flushes its recording at least once a second
+        hub.kill()  # SIGKILL: no last flush, no goodbye
+        hub.wait()
+        time.sleep(1.5)
+        hub = start_serve(port, token, r2)
+        job.join(timeout=180)
+        assert not job.is_alive(), "the job did not finish"
+    finally:
+        stop(hub)
+    for rank_result in result["res"]:
+        stats = rank_result["stats"]
+        assert stats["connects"] >= 2, stats  # reconnected to the new hub
+    first, second = build_report(r1), build_report(r2)
+    assert all(r["steps"] >= 20 for r in first["ranks"])
+    assert sorted(r["rank"] for r in second["ranks"]) == [0, 1]
+    assert all(r["steps"] > 20 and r["status"] == "finished" for r in second["ranks"])
+
+
+def test_truncated_recording_replays_up_to_the_last_whole_frame(tmp_path):
+    port, token, record = free_port(), "cut-token", tmp_path / "run.rtop"
+    hub = start_serve(port, token, record)
+    try:
+        run_local(WorkloadSpec(world_size=2, steps=40, dim=64, hidden=128,
+                               hub=f"127.0.0.1:{port}", token=token), timeout_s=120)
+    finally:
+        stop(hub)
+    data = record.read_bytes()
+    whole = build_report(record)
+    assert not whole["run"]["truncated"]
+    cut = tmp_path / "cut.rtop"
+    cut.write_bytes(data[: int(len(data) * 0.8) + 3])  # mid-frame, surely
+    report = build_report(cut)
+    assert report["run"]["truncated"]
+    assert "truncated" in report["run"]["warnings"][0]
+    assert report["run"]["frames"] < whole["run"]["frames"]
+    assert 0 < sum(r["steps"] for r in report["ranks"]) < 80
+    proc = subprocess.run([*RTOP, "report", str(cut)], capture_output=True, text=True)
+    assert proc.returncode == 0 and "truncated" in proc.stdout + proc.stderr
+    garbage = tmp_path / "garbage.rtop"
+    garbage.write_bytes(b"this is not a recording")
+    proc = subprocess.run([*RTOP, "report", str(garbage)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "not an rtop recording" in proc.stderr
+
+
+def test_serve_refuses_a_public_bind_without_a_token():
+    proc = subprocess.run([*RTOP, "serve", "--host", "0.0.0.0", "--token", ""],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "without a token" in proc.stderr
+
+
+def test_torchrun_style_job_finds_its_node_hub_without_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("RTOP_AUTOHUB", "1")
+    spec = WorkloadSpec(world_size=2, steps=25, dim=64, hidden=128)
+    results = run_local(spec, timeout_s=180)
+    for r in results:
+        assert r["stats"]["connects"] >= 1 and r["stats"]["sent_records"] > 0
+    from collectors.discovery import runtime_dir
+    from rtop.discovery import find_hubs
+
+    hubs = find_hubs(ray=False)
+    assert len(hubs) == 1, hubs
+    files = list(runtime_dir().glob("hub-*.json"))
+    info = json.loads(files[0].read_text())
+    assert oct(files[0].stat().st_mode & 0o777) == "0o600"
+    try:
+        with HubClient(hubs[0].address, hubs[0].token) as c:
+            snap = c.snapshot()
+        assert snap["ranks"]["rank"] == [0, 1]
+        assert snap["ranks"]["step"] == [24, 24]
+        listed = subprocess.run([*RTOP, "list"], capture_output=True, text=True, check=True)
+        assert hubs[0].address in listed.stdout
+    finally:
+        os.kill(info["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and files[0].exists():
+        time.sleep(0.1)
+    assert not files[0].exists(), "the hub did not clean up its discovery file"
+    report = build_report(info["record"])
+    assert [r["steps"] for r in report["ranks"]] == [25, 25]
+
+
+@pytest.mark.ray
+def test_ray_train_job_discovers_the_actor_hub(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rtop.discovery import from_ray
+    from rtop.workload import ray_train_loop
+
+    monkeypatch.setenv("RTOP_AUTOHUB", "1")  # the default; the suite turns it off
+    ray.init(num_cpus=2, include_dashboard=False)  # note: no RTOP_HUB / RTOP_TOKEN anywhere
+    try:
+        spec = WorkloadSpec(world_size=2, steps=20, dim=64, hidden=128)
+        TorchTrainer(ray_train_loop, train_loop_config={"spec": spec.to_json()},
+                     scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                     run_config=RunConfig(storage_path=str(tmp_path), name="disc")).fit()
+        hubs = from_ray()
+        assert len(hubs) == 1 and hubs[0].source == "ray"
+        with HubClient(hubs[0].address, hubs[0].token) as c:
+            snap = c.snapshot()
+        assert snap["ranks"]["rank"] == [0, 1] and snap["ranks"]["step"] == [19, 19]
+        actor = ray.get_actor(f"rtop-hub-{hubs[0].job}", namespace="rtop")
+        record = ray.get(actor.shutdown.remote())
+    finally:
+        ray.shutdown()
+    out = subprocess.run([*RTOP, "report", record, "--json"], capture_output=True, text=True,
+                         check=True).stdout
+    report = json.loads(out)
+    assert [(r["rank"], r["steps"]) for r in report["ranks"]] == [(0, 20), (1, 20)]
+    assert report["run"]["job"] == hubs[0].job
+    shutil.rmtree(Path(record).parent, ignore_errors=True)
