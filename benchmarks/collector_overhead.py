@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rtop.listener import Listener
+from rtop.hub.service import ThreadedHub
 from rtop.workload import free_port
 
 WARMUP = 20  # steps after each switch of configuration that are not counted (startup)
@@ -119,13 +119,15 @@ def job_benchmark(rounds: int, block: int) -> None:
 
     import torch.multiprocessing as mp
 
-    listener = Listener()
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_bench_rank, nprocs=2, start_method="spawn", args=(
-            2, free_port(), listener.address, dead, listener.token, rounds, block, out))
+        hub = ThreadedHub(job="bench", record=str(Path(out, "bench.rtop"))).start()
+        try:
+            mp.start_processes(_bench_rank, nprocs=2, start_method="spawn", args=(
+                2, free_port(), hub.address, dead, hub.token, rounds, block, out))
+        finally:
+            hub.stop()
         per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
-    listener.close()
     times = {name: [t for rank in per_rank for t in rank[name]] for name in CONFIGS}
     counted = block - WARMUP
     base = statistics.median(times["no rtop"])

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                       default="starved")
     demo.add_argument("--ranks", type=int, default=3)
     demo.add_argument("--steps", type=int, default=80)
+    demo.add_argument("--record", default=None, metavar="PATH", help="keep the recording")
     return parser
 
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from rtop import demo
 
-        return demo.run(args.fault, args.ranks, args.steps)
+        return demo.run(args.fault, args.ranks, args.steps, args.record)
     return cmd_status(argparse.Namespace(address=None, token=None, json=False))
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rtop.listener import Listener
+from tests.listener import Listener
 
 
 @pytest.fixture

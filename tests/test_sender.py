@@ -11,8 +11,8 @@ import time
 
 import collectors
 from collectors.identity import detect
-from rtop.listener import Listener
 from rtop.workload import Faults, WorkloadSpec, free_port, run_local
+from tests.listener import Listener
 
 
 def _probe(**settings) -> collectors.Probe:

@@ -1,6 +1,6 @@
-"""A minimal receiver that speaks the rank side of the wire protocol.
+"""A minimal real TCP listener that speaks the rank side of the wire protocol.
 
-Used by the collector tests and the quick demo, independently of the hub: it accepts
+Used by the collector tests, independently of the hub: it accepts
 connections, answers each hello with a welcome, and keeps every decoded frame.
 """
 
