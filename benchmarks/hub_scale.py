@@ -458,6 +458,14 @@ class Generator:
                 conn.writer.write(wire.encode(wire.KIND_BYE, {
                     "rank": conn.rank, "group": group, "dropped": 0}))
         await self.drain_all(conns, 5.0)
+        # half-close and let the hub close first: closing a socket with unread data (a
+        # ping) would send a reset, and the hub would lose what it had not read yet
+        for conn in conns:
+            if conn.writer is not None and not conn.writer.is_closing():
+                with contextlib.suppress(OSError):
+                    conn.writer.write_eof()
+        if pumps:
+            await asyncio.wait(pumps, timeout=10.0)
         for conn in conns:
             conn.alive = False
             if conn.writer is not None:
@@ -525,30 +533,35 @@ class Generator:
         loop = asyncio.get_running_loop()
         w = conn.writer
         assert w is not None
-        next_t = 0.0
+        last: float | None = None  # when this connection last sent
+        size = 0
         with contextlib.suppress(ConnectionError, OSError):
             while not self.stopping and conn.alive and not w.is_closing():
                 offered = rate.value
                 if offered <= 0:
                     await asyncio.sleep(0.02)
-                    next_t = 0.0
+                    last = None
                     continue
+                # this connection's share of the offered rate, far under the flood limits;
+                # re-read at every wake-up so that a new rate applies at once
+                interval = max(o["p2_conns"] * o["p2_rows"] / offered,
+                               1.0 / (FLOOD_FRAMES_PER_S * FLOOD_SAFETY),
+                               size / (FLOOD_BYTES_PER_S * FLOOD_SAFETY))
                 now = loop.time()
-                if next_t == 0.0:  # spread the connections over the first interval
-                    next_t = now + random.random() * o["p2_conns"] * o["p2_rows"] / offered
-                if next_t > now:
-                    await asyncio.sleep(next_t - now)
+                if last is None:  # spread the connections over the first interval
+                    last = now - random.random() * interval
+                due = last + interval
+                if due > now:
+                    await asyncio.sleep(min(due - now, 0.1))
+                    continue
                 data = batches.next()
+                size = len(data)
                 w.write(data)
                 self.c.add(C_STEPS, o["p2_rows"])
                 self.c.add(C_FRAMES)
-                self.c.add(C_BYTES, len(data))
+                self.c.add(C_BYTES, size)
                 await w.drain()
-                # this connection's share of the offered rate, far under the flood limits
-                next_t += max(o["p2_conns"] * o["p2_rows"] / offered,
-                              1.0 / (FLOOD_FRAMES_PER_S * FLOOD_SAFETY),
-                              len(data) / (FLOOD_BYTES_PER_S * FLOOD_SAFETY))
-                next_t = max(next_t, loop.time() - 0.5)  # no long catch-up bursts
+                last = max(due, loop.time() - 0.5)  # no long catch-up bursts
 
 
 def generator_main(kind: str, idx: int, opts: dict[str, Any], counters: Any,
@@ -1054,6 +1067,18 @@ def print_profile(path: Path, top: int = 30) -> None:
     pstats.Stats(str(path)).sort_stats("tottime").print_stats(top)
 
 
+def rss_trend(rss: Sequence[int]) -> float:
+    """RSS growth in bytes per minute: least squares over the samples (one a second) after
+    the first third of the window, which still holds the start-up growth."""
+    ys = list(rss[len(rss) // 3:])
+    if len(ys) < 3:
+        return 0.0
+    xs = range(len(ys))
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return 60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
+
+
 def verdict(ok: bool) -> str:
     return "ok" if ok else "MISSED"
 
@@ -1071,20 +1096,24 @@ def summarize(args: argparse.Namespace, res: dict[str, Any], p2: dict[str, Any] 
           f"({os.cpu_count()} CPUs, {args.procs} generator processes)")
     print(f"  connect   {res['connected']} ranks in {res['connect_s']:.1f} s"
           + (f", {res['connect_failed']} FAILED" if res["connect_failed"] else ""))
+    missing = res["sent_total"] - res["ingested_total"]
+    keeps = res["ingest_rate"] >= 0.98 * res["sent_rate"] and missing == 0 \
+        and res["drain_s"] < 3
+    # what the nominal load would take: per-frame ingest cost plus the snapshot builds
+    need = 100 * (res["cpu_per_frame_ingest"] * res["nominal_rate"]
+                  + median(build) * args.viewer_hz)
     print(f"  hub CPU   median {median(cpu):.0f}% of one core, max {fmax(cpu):.0f}%"
-          f"{'':14}(target <= 100%: {verdict(median(cpu) <= 100)})")
+          f"{'':14}(target <= 100%: {verdict(keeps and median(cpu) <= 100)})")
     print(f"{'':12}{res['cpu_per_frame'] * us:.0f} us of hub CPU per batch frame ingested "
-          f"({res['cpu_per_frame_ingest'] * us:.0f} us without snapshot builds)")
-    growth = (rss[-1] - rss[0]) / max(len(rss) - 1, 1) * 60
+          f"({res['cpu_per_frame_ingest'] * us:.0f} us without snapshot builds): the nominal "
+          f"load needs ~{need:.0f}% of a core")
+    growth = rss_trend(rss)
     print(f"  hub RSS   max {fmax(rss) / MB:.0f} MB (after connect {res['rss_connected'] / MB:.0f}"
           f" MB, {growth / MB:+.1f} MB/min over the window)   (target <= 500 MB for a "
           f"10-minute window: {verdict(fmax(rss) + max(growth, 0) * 10 <= 500 * MB)})")
     print(f"{'':12}windows: RunState.nbytes() = {cost['nbytes'] / MB:.0f} MB for "
           f"{args.ranks} ranks (preallocated), {cost['nbytes_restart'] / MB:.0f} MB after a "
           f"restart of the job (new attempt, old kept)")
-    missing = res["sent_total"] - res["ingested_total"]
-    keeps = res["ingest_rate"] >= 0.98 * res["sent_rate"] and missing == 0 \
-        and res["drain_s"] < 3
     print(f"  ingest    {res['ingest_rate']:,.0f} step records/s ingested vs "
           f"{res['sent_rate']:,.0f} sent (nominal {res['nominal_rate']:,.0f}) "
           f"({'keeps up' if keeps else 'FALLS BEHIND'})")

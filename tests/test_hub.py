@@ -263,3 +263,16 @@ def test_security_defaults(hub, tmp_path):
         assert other.token != hub.token and len(other.token) >= 16
     finally:
         other.stop()
+
+
+def test_snapshot_groups_ranks_by_node(hub):
+    clients = []
+    for rank, node in ((0, "node-a"), (1, "node-a"), (2, "node-b")):
+        c = RankClient(hub.address, hub.token, rank, world=3, host=node)
+        assert c.recv().kind == wire.KIND_WELCOME
+        c.batch(steps=[step_row(0, step_s=0.1 * (rank + 1), comm=0.01 * (rank + 1))])
+        clients.append(c)
+    assert wait_for(lambda: snapshot(hub)["ranks"]["step"] == [0, 0, 0])
+    nodes = snapshot(hub)["nodes"]
+    assert nodes["node"] == ["node-a", "node-b"] and nodes["ranks"] == [2, 1]
+    assert nodes["step_s"] == pytest.approx([0.2, 0.3])  # the slowest rank of each node

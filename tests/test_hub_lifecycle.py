@@ -216,3 +216,20 @@ def test_ray_train_job_discovers_the_actor_hub(tmp_path, monkeypatch):
     assert [(r["rank"], r["steps"]) for r in report["ranks"]] == [(0, 20), (1, 20)]
     assert report["run"]["job"] == hubs[0].job
     shutil.rmtree(Path(record).parent, ignore_errors=True)
+
+
+def test_several_jobs_are_listed_for_the_user_to_choose(tmp_path):
+    hubs = [start_serve(free_port(), f"tok{i}", tmp_path / f"r{i}.rtop", "--job", f"job-{i}")
+            for i in range(2)]
+    try:
+        listed = subprocess.run([*RTOP, "list"], capture_output=True, text=True, check=True)
+        assert "job-0" in listed.stdout and "job-1" in listed.stdout
+        # without a terminal to ask on, rtop lists them and says how to pick one
+        proc = subprocess.run([*RTOP, "status"], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL)
+        assert proc.returncode == 1
+        assert "several jobs" in proc.stdout and "job-0" in proc.stdout
+        assert "rtop status HOST:PORT" in proc.stderr
+    finally:
+        for h in hubs:
+            stop(h)

@@ -362,6 +362,20 @@ class RunState:
         cols["phase"] = [r.hb[_HB["phase"]] if r.hb else None for r in ranks]
         cols["phase_s"] = [r.hb[_HB["phase_s"]] if r.hb else None for r in ranks]
         att = self.current
+        nodes: dict[str, list[int]] = {}
+        for i, r in enumerate(ranks):
+            nodes.setdefault(r.node, []).append(i)
+        node_cols: dict[str, list[Any]] = {"node": list(nodes), "ranks": [],
+                                           "active": [], "step_s": [], "data_wait_s": [],
+                                           "comm_s": [], "busbw_Bps": []}
+        for idx in nodes.values():
+            node_cols["ranks"].append(len(idx))
+            node_cols["active"].append(sum(1 for i in idx if ranks[i].status == "active"))
+            for f, agg in (("step_s", max), ("data_wait_s", max), ("comm_s", max),
+                           ("busbw_Bps", min)):
+                vals = [v for v in (cols.get(f, [None] * len(ranks))[i] for i in idx)
+                        if v is not None]
+                node_cols[f].append(agg(vals) if vals else None)
         snap = {
             "t_hub": self.now,
             "run": {
@@ -377,6 +391,8 @@ class RunState:
                 **{k: v for k, v in self.run_info.items() if k in ("hub", "record")},
             },
             "ranks": cols,
+            # per node: the worst rank's figure (slowest step, longest wait, lowest busbw)
+            "nodes": node_cols,
         }
         snap["build_s"] = time.perf_counter() - t0
         return snap
