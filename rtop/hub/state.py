@@ -368,12 +368,12 @@ class RunState:
         node_cols: dict[str, list[Any]] = {"node": list(nodes), "ranks": [],
                                            "active": [], "step_s": [], "data_wait_s": [],
                                            "comm_s": [], "busbw_Bps": []}
-        for idx in nodes.values():
-            node_cols["ranks"].append(len(idx))
-            node_cols["active"].append(sum(1 for i in idx if ranks[i].status == "active"))
+        for members in nodes.values():
+            node_cols["ranks"].append(len(members))
+            node_cols["active"].append(sum(1 for i in members if ranks[i].status == "active"))
             for f, agg in (("step_s", max), ("data_wait_s", max), ("comm_s", max),
                            ("busbw_Bps", min)):
-                vals = [v for v in (cols.get(f, [None] * len(ranks))[i] for i in idx)
+                vals = [v for v in (cols.get(f, [None] * len(ranks))[i] for i in members)
                         if v is not None]
                 node_cols[f].append(agg(vals) if vals else None)
         snap = {
