@@ -49,7 +49,13 @@ KIND_RUN: Final = "run"  # first frame of a recording: what wrote it and when
 
 
 class WireError(ValueError):
-    """A frame could not be decoded. The message says what was wrong with it."""
+    """A frame could not be decoded. The message says what was wrong with it.
+
+    From :meth:`FrameDecoder.feed_raw`, ``partial`` holds the whole frames that came
+    before the bad one in the same read.
+    """
+
+    partial: list[tuple[bytes, Frame]] = []  # noqa: RUF012 - replaced per instance
 
 
 class BadMagic(WireError):
@@ -105,7 +111,7 @@ def parse_header(header: bytes, max_bytes: int = MAX_FRAME_BYTES) -> int:
     return int(length)
 
 
-def decode_body(body: bytes) -> Frame:
+def decode_body(body: bytes | memoryview) -> Frame:
     """Decode a frame body (without its header)."""
     try:
         obj = msgpack.unpackb(body, raw=False, use_list=True)
@@ -131,7 +137,6 @@ class FrameDecoder:
     def __init__(self, max_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buf = bytearray()
         self._max = max_bytes
-        self._need: int | None = None  # body length of the frame being read
 
     @property
     def pending(self) -> int:
@@ -140,21 +145,31 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> list[Frame]:
         """Add received bytes; return the frames they complete (possibly none)."""
-        self._buf += data
-        frames: list[Frame] = []
-        while True:
-            if self._need is None:
-                if len(self._buf) < HEADER_BYTES:
+        return [frame for _, frame in self.feed_raw(data)]
+
+    def feed_raw(self, data: bytes) -> list[tuple[bytes, Frame]]:
+        """Like :meth:`feed`, with each frame's exact bytes (header and body) beside it,
+        for a recorder that stores frames as received."""
+        buf = self._buf
+        buf += data
+        out: list[tuple[bytes, Frame]] = []
+        off, n = 0, len(buf)
+        try:
+            while n - off >= HEADER_BYTES:
+                length = parse_header(bytes(buf[off:off + HEADER_BYTES]), self._max)
+                end = off + HEADER_BYTES + length
+                if n < end:
                     break
-                self._need = parse_header(bytes(self._buf[:HEADER_BYTES]), self._max)
-            end = HEADER_BYTES + self._need
-            if len(self._buf) < end:
-                break
-            body = bytes(self._buf[HEADER_BYTES:end])
-            del self._buf[:end]
-            self._need = None
-            frames.append(decode_body(body))
-        return frames
+                raw = bytes(buf[off:end])
+                out.append((raw, decode_body(memoryview(raw)[HEADER_BYTES:])))
+                off = end
+        except WireError as exc:
+            exc.partial = out  # the whole frames before the bad one, for the caller
+            raise
+        finally:
+            if off:
+                del buf[:off]  # once per feed, not once per frame
+        return out
 
 
 def read_frame(stream: IO[bytes], max_bytes: int = MAX_FRAME_BYTES) -> Frame | None:

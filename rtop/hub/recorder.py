@@ -71,10 +71,10 @@ class Recorder:
             self._last_clock = t_hub
             self._write(wire.encode("clock", {"t_hub": t_hub}))
 
-    def raw(self, header: bytes, body: bytes, t_hub: float) -> None:
-        """A frame exactly as a rank sent it."""
+    def raw(self, data: bytes, t_hub: float) -> None:
+        """A frame exactly as a rank sent it (header and body)."""
         self.clock(t_hub)
-        self._write(header + body)
+        self._write(data)
 
     def frame(self, kind: str, payload: dict[str, Any], t_hub: float) -> None:
         """A frame of the hub's own."""

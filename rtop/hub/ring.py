@@ -1,10 +1,11 @@
-"""Columnar ring buffers: bounded per-rank histories that numpy can reduce at once.
+"""Per-rank rolling windows in one preallocated array, reducible for all ranks at once.
 
-A :class:`Rings` holds, for a fixed set of fields, a 2-D array per field of shape
-``(rank slots, window)``. Each rank owns one slot (a row) and writes its values at its
-own position, wrapping around. Reading the last ``k`` values of every rank is one
-fancy-index per field, so medians over 4,096 ranks are a single ``nanmedian`` call.
-Missing values are NaN.
+A :class:`Rings` holds, for a fixed tuple of fields, a float32 array of shape
+``(rank slots, window, fields)``. Each rank owns a slot and writes rows at its own
+position, wrapping around; appending one row is a single array store. Reading the last
+``k`` rows of every rank is one fancy index, and their medians one sort. Missing values
+are NaN. ``t_wall`` is stored relative to a base time (float32 keeps milliseconds over
+a day of training); ``history`` gives it back absolute.
 """
 
 from __future__ import annotations
@@ -15,77 +16,97 @@ import numpy as np
 
 
 class Rings:
-    """Per-slot ring buffers for ``fields`` (float32, except ``t_wall``: float64)."""
+    """Bounded per-slot histories of ``fields`` (see module doc)."""
 
     def __init__(self, fields: Sequence[str], window: int, slots: int = 64) -> None:
         self.fields = tuple(fields)
+        self.index = {f: i for i, f in enumerate(self.fields)}
         self.window = window
-        self._dtypes = {f: (np.float64 if f in ("t_wall", "step") else np.float32)
-                        for f in self.fields}
-        self.cols: dict[str, np.ndarray] = {
-            f: np.full((slots, window), np.nan, dtype=self._dtypes[f]) for f in self.fields
-        }
+        self.data = np.full((slots, window, len(self.fields)), np.nan, dtype=np.float32)
         self.pos = np.zeros(slots, dtype=np.int64)  # next write position per slot
-        self.count = np.zeros(slots, dtype=np.int64)  # values written (saturates at window)
+        self.count = np.zeros(slots, dtype=np.int64)  # rows written, at most ``window``
+        self._t = self.index.get("t_wall")
+        self.base: float | None = None
 
     @property
     def slots(self) -> int:
-        """Number of rank slots currently allocated."""
+        """Number of rank slots allocated."""
         return int(self.pos.shape[0])
 
     def ensure(self, slots: int) -> None:
-        """Grow to at least ``slots`` slots (doubling), keeping what is stored."""
+        """Grow to at least ``slots`` slots (by a quarter at a time), keeping the data."""
         have = self.slots
         if slots <= have:
             return
-        new = max(slots, have * 2)
-        for f, col in self.cols.items():
-            grown = np.full((new, self.window), np.nan, dtype=col.dtype)
-            grown[:have] = col
-            self.cols[f] = grown
+        new = max(slots, have + max(64, have // 4))
+        grown = np.full((new, self.window, len(self.fields)), np.nan, dtype=np.float32)
+        grown[:have] = self.data
+        self.data = grown
         self.pos = np.concatenate([self.pos, np.zeros(new - have, dtype=np.int64)])
         self.count = np.concatenate([self.count, np.zeros(new - have, dtype=np.int64)])
 
     def clear(self, slot: int) -> None:
-        """Forget a slot's history (the slot is about to be reused)."""
-        for col in self.cols.values():
-            col[slot] = np.nan
+        """Forget a slot's history (it is about to be reused)."""
+        self.data[slot] = np.nan
         self.pos[slot] = 0
         self.count[slot] = 0
 
-    def append_rows(self, slot: int, rows: np.ndarray) -> None:
-        """Append rows (``n x len(fields)``, NaN for missing) to one slot's history."""
-        n = rows.shape[0]
-        if n == 0:
-            return
-        if n > self.window:
-            rows = rows[-self.window:]
-            n = self.window
-        start = int(self.pos[slot])
-        idx = (start + np.arange(n)) % self.window
-        for j, f in enumerate(self.fields):
-            self.cols[f][slot, idx] = rows[:, j]
-        self.pos[slot] = (start + n) % self.window
-        self.count[slot] = min(int(self.count[slot]) + n, self.window)
+    def append(self, slot: int, row: list[float]) -> None:
+        """Append one row (``len(fields)`` floats, NaN for missing)."""
+        if self._t is not None:
+            t = row[self._t]
+            if t == t:  # not NaN
+                if self.base is None:
+                    self.base = t
+                row[self._t] = t - self.base
+        p = int(self.pos[slot])
+        self.data[slot, p] = row
+        self.pos[slot] = (p + 1) % self.window
+        if self.count[slot] < self.window:
+            self.count[slot] += 1
 
-    def last(self, field: str, slots: np.ndarray, k: int) -> np.ndarray:
-        """The last ``k`` values of ``field`` for each of ``slots`` (``len(slots) x k``,
-        oldest first; NaN where a slot has fewer than ``k``)."""
+    def last(self, slots: np.ndarray, k: int) -> np.ndarray:
+        """The last ``k`` rows of each of ``slots``: ``(len(slots), k, fields)``, oldest
+        first, NaN where a slot has fewer rows."""
         k = max(1, min(k, self.window))
         offsets = np.arange(-k, 0)
         idx = (self.pos[slots][:, None] + offsets[None, :]) % self.window
-        values = np.take_along_axis(self.cols[field][slots], idx, axis=1)
-        short = self.count[slots][:, None] < (-offsets[None, :])
+        values: np.ndarray = self.data[slots[:, None], idx]
+        short = self.count[slots][:, None] < -offsets[None, :]
         if short.any():
-            values = values.astype(np.float64, copy=True)
             values[short] = np.nan
         return values
 
     def history(self, field: str, slot: int) -> np.ndarray:
-        """All stored values of ``field`` for one slot, oldest first."""
+        """Every stored value of ``field`` for one slot, oldest first (float64)."""
         n = int(self.count[slot])
-        return self.last(field, np.array([slot]), n)[0] if n else np.empty(0)
+        if not n:
+            return np.empty(0)
+        out = self.last(np.array([slot]), n)[0, :, self.index[field]].astype(np.float64)
+        if field == "t_wall" and self.base is not None:
+            out += self.base
+        return out
 
     def nbytes(self) -> int:
         """Memory held by the arrays."""
-        return sum(col.nbytes for col in self.cols.values()) + self.pos.nbytes * 2
+        return int(self.data.nbytes + self.pos.nbytes + self.count.nbytes)
+
+
+def nanmedian_rows(values: np.ndarray) -> np.ndarray:
+    """Median over axis 1 of a ``(n, k, f)`` array, ignoring NaN: ``(n, f)`` float64.
+
+    One sort (NaN sorts last) and a gather: several times faster than ``np.nanmedian``
+    on thousands of short windows.
+    """
+    n, k, f = values.shape
+    if n == 0:
+        return np.empty((0, f))
+    srt = np.sort(values, axis=1)
+    valid = (~np.isnan(srt)).sum(axis=1)  # (n, f)
+    lo = np.clip((valid - 1) // 2, 0, k - 1)
+    hi = np.clip(valid // 2, 0, k - 1)
+    a = np.take_along_axis(srt, lo[:, None, :], axis=1)[:, 0, :].astype(np.float64)
+    b = np.take_along_axis(srt, hi[:, None, :], axis=1)[:, 0, :].astype(np.float64)
+    med = (a + b) / 2.0
+    med[valid == 0] = np.nan
+    return med

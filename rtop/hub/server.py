@@ -3,16 +3,22 @@
 One port serves three kinds of peer, told apart by what they send first:
 
 * ranks: ``hello`` (identity, token, clock) then ``batch`` frames, answered with a
-  ``welcome`` and, every ``ping_every_s``, a ``ping`` whose ``pong`` refreshes the rank's
-  clock offset;
+  ``welcome`` and, now and then, a ``ping`` whose ``pong`` refreshes the rank's clock
+  offset;
 * viewers: ``hello`` with ``role: viewer``, then ``subscribe`` (snapshots pushed at
-  ``rate_hz``, default 2) and ``request`` (one snapshot now);
+  ``rate_hz``, default 2, at most 10) and ``request`` (a snapshot, or one rank's window);
 * Prometheus: an HTTP ``GET /metrics`` with ``Authorization: Bearer <token>``.
 
+Connections are ``asyncio.Protocol`` objects: received bytes go straight through the
+frame decoder into the run state, with no coroutine or timer per frame, so one core
+ingests thousands of ranks. Timeouts (a peer that never speaks, half a frame, a silent
+rank), pings and viewer pushes run from one housekeeping loop. While the hub is busy
+it simply reads less: unread data stays in the kernel, and the ranks' own bounded
+buffers take it from there; nothing piles up in the hub.
+
 Every connection must present the hub's token (compared in constant time, never
-logged). Bad input (garbage, an oversized length, a half frame, a wrong version, a
-connection that never speaks, a flood) gets one log line and that one connection
-closed; everything else carries on, and what was recorded stays recorded.
+logged). Bad input gets one log line and that one connection closed; what was recorded
+stays recorded.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
-import itertools
 import json
 import logging
 import os
+import resource
 import secrets
 import socket
 import time
@@ -39,6 +45,9 @@ from rtop.hub.recorder import Recorder, default_record_path
 from rtop.hub.state import ProtocolError, RankState, RunState
 
 log = logging.getLogger("rtop.hub")
+
+MAX_VIEWER_HZ = 10.0
+HTTP_MAX_BYTES = 16384
 
 
 @dataclass
@@ -81,17 +90,97 @@ def is_loopback(host: str) -> bool:
 class _Bucket:
     """A token bucket: ``rate`` per second, ``burst`` seconds of it in reserve."""
 
+    __slots__ = ("cap", "level", "rate", "t")
+
     def __init__(self, rate: float, burst_s: float) -> None:
         self.rate, self.cap = rate, rate * burst_s
         self.level = self.cap
         self.t = time.monotonic()
 
-    def take(self, n: float) -> bool:
-        now = time.monotonic()
+    def take(self, n: float, now: float) -> bool:
         self.level = min(self.cap, self.level + (now - self.t) * self.rate)
         self.t = now
         self.level -= n
         return self.level >= 0
+
+
+class _Conn(asyncio.Protocol):
+    """One peer. ``role`` is None until its hello, then "rank", "viewer" or "http"."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.transport: asyncio.Transport | None = None
+        self.dec = wire.FrameDecoder(hub.cfg.max_frame_bytes)
+        self.role: str | None = None
+        self.who = "?"
+        now = time.monotonic()
+        self.opened = self.last = now
+        self.partial_since: float | None = None
+        self.rank: RankState | None = None
+        self.clean = False
+        self.closing = False
+        self.bytes_in = _Bucket(hub.cfg.flood_bytes_per_s, hub.cfg.flood_burst_s)
+        self.frames_in = _Bucket(hub.cfg.flood_frames_per_s, hub.cfg.flood_burst_s)
+        self.pings: dict[int, float] = {}
+        self.best: list[tuple[float, float]] = []  # (rtt, offset) of recent pongs
+        self.ping_seq = 0
+        self.next_ping = now + 0.2
+        self.rate = 0.0
+        self.next_push = 0.0
+        self.http = bytearray()
+
+    # asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.hub._conns.add(self)
+        self.hub.counters["connections"] += 1
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        now = time.monotonic()
+        self.last = now
+        if self.role == "http" or (self.role is None and not self.dec.pending
+                                   and data[:4] in (b"GET ", b"HEAD")):
+            self.role = "http"
+            self.http += data
+            self.hub._http(self)
+            return
+        if not self.bytes_in.take(len(data), now):
+            self.hub._flood(self)
+            return
+        try:
+            frames = self.dec.feed_raw(data)
+        except wire.WireError as exc:
+            for raw, frame in exc.partial:
+                self.hub._frame(self, raw, frame)
+            self.hub._bad(self, exc)
+            return
+        self.partial_since = (self.partial_since or now) if self.dec.pending else None
+        if frames and not self.frames_in.take(len(frames), now):
+            self.hub._flood(self)
+            return
+        for raw, frame in frames:
+            self.hub._frame(self, raw, frame)
+            if self.closing:
+                return
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.hub._lost(self)
+
+    # helpers
+    def send(self, kind: str, payload: dict[str, Any]) -> None:
+        if self.transport is not None and not self.closing:
+            self.transport.write(wire.encode(kind, payload))
+
+    def close(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
 
 
 class Hub:
@@ -103,18 +192,15 @@ class Hub:
         if not is_loopback(self.cfg.host) and self.cfg.token == "":
             raise ValueError("refusing to listen beyond loopback without a token")
         self.token = self.cfg.token if self.cfg.token else secrets.token_urlsafe(24)
+        self._token = self.token.encode()
         self.state = state or RunState(window_steps=self.cfg.window_steps,
                                        window_samples=self.cfg.window_samples,
                                        lost_after_s=self.cfg.lost_after_s)
         self.analyze = analyze
         self.recorder: Recorder | None = None
         self._server: asyncio.base_events.Server | None = None
+        self._conns: set[_Conn] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._conn_ids = itertools.count(1)
-        self._rank_writers: dict[int, asyncio.StreamWriter] = {}
-        self._conns: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
-        self._pings: dict[int, dict[int, float]] = {}  # per rank writer: seq -> t sent
-        self._viewers = 0
         self._snap_cache: tuple[float, bytes] | None = None
         self._closed = asyncio.Event()
         self._closing: asyncio.Task[None] | None = None
@@ -127,15 +213,18 @@ class Hub:
 
     async def start(self) -> None:
         """Bind, open the recording, write the discovery file, start housekeeping."""
-        self._server = await asyncio.start_server(
-            self._on_conn, self.cfg.host, self.cfg.port, limit=self.cfg.max_frame_bytes + 64)
-        sock = self._server.sockets[0]
-        host, port = sock.getsockname()[:2]
+        _raise_fd_limit()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Conn(self), self.cfg.host, self.cfg.port, backlog=4096,
+            reuse_address=True)
+        host, port = self._server.sockets[0].getsockname()[:2]
         if host in ("0.0.0.0", "::"):
             host = _outward_ip()
         self.address = f"{host}:{port}"
-        info = {"hub": {"version": __version__, "address": self.address, "pid": os.getpid(),
-                        "started": time.time()}, "job": self.cfg.job}
+        info: dict[str, Any] = {"hub": {"version": __version__, "address": self.address,
+                                        "pid": os.getpid(), "started": time.time()},
+                                "job": self.cfg.job}
         if self.cfg.record != "":
             path = Path(self.cfg.record) if self.cfg.record else default_record_path(self.cfg.job)
             self.recorder = Recorder(path, info)
@@ -146,6 +235,7 @@ class Hub:
                 "address": self.address, "token": self.token, "pid": os.getpid(),
                 "job": self.cfg.job, "record": info.get("record"), "started": time.time()})
         self._spawn(self._housekeeping())
+        self._spawn(self._pusher())
         log.info("rtop hub listening on %s%s", self.address,
                  f", recording to {info['record']}" if "record" in info else "")
 
@@ -166,12 +256,9 @@ class Hub:
             self._server.close()
         for t in list(self._tasks):
             t.cancel()
-        conns = list(self._conns)
-        for t, w in list(self._conns.items()):
-            w.close()
-            t.cancel()
-        if conns:
-            await asyncio.wait(conns, timeout=2.0)
+        for conn in list(self._conns):
+            conn.close()
+        await asyncio.sleep(0)
         if self.recorder is not None:
             self.recorder.close()
         if self.cfg.discovery_file:
@@ -185,298 +272,204 @@ class Hub:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    # ---- housekeeping -------------------------------------------------------------------
+
     async def _housekeeping(self) -> None:
         next_flush = 0.0
         while True:
-            await asyncio.sleep(0.5)
-            now = time.time()
-            lost = self.state.tick(now)
-            if lost:
-                names = ", ".join(str(rs.rank) for rs in lost[:10])
-                more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
-                log.warning("rtop hub: rank%s %s%s silent for over %.0f s: marked lost",
-                            "s" if len(lost) > 1 else "", names, more,
-                            self.state.lost_after_s)
-            if self.recorder is not None:
-                self.recorder.clock(now)
-                if time.monotonic() >= next_flush:
-                    self.recorder.flush()
-                    next_flush = time.monotonic() + 1.0
-            if self.cfg.linger_s is not None:
-                self._check_linger()
+            await asyncio.sleep(0.25)
+            try:
+                self._housekeep(time.monotonic(), time.time())
+            except Exception:
+                log.exception("rtop hub: housekeeping failed")
+            if self.recorder is not None and time.monotonic() >= next_flush:
+                self.recorder.flush()
+                next_flush = time.monotonic() + 1.0
 
-    def _check_linger(self) -> None:
-        busy = self._viewers > 0 or any(
-            rs.status == "active" for rs in self.state.active_ranks())
-        ever = self.state.current is not None
-        if busy or not ever:
+    def _housekeep(self, mono: float, now: float) -> None:
+        cfg = self.cfg
+        for conn in list(self._conns):
+            if conn.closing:
+                continue
+            if conn.role is None and mono - conn.opened > cfg.hello_timeout_s \
+                    and conn.partial_since is None:
+                self.counters["silent"] += 1
+                log.warning("rtop hub: %s connected and never spoke within %.0f s; closed",
+                            conn.who, cfg.hello_timeout_s)
+                conn.close()
+            elif conn.partial_since is not None and mono - conn.partial_since > \
+                    cfg.frame_timeout_s:
+                self._bad(conn, wire.WireError(
+                    f"half a frame: {conn.dec.pending} bytes of a frame, the rest not sent "
+                    f"within {cfg.frame_timeout_s:.0f} s"))
+            elif conn.role == "rank" and mono - conn.last > cfg.idle_timeout_s:
+                log.warning("rtop hub: rank %s (%s) sent nothing for %.0f s; closed",
+                            conn.rank.rank if conn.rank else "?", conn.who,
+                            cfg.idle_timeout_s)
+                conn.close()
+            elif conn.role == "rank" and mono >= conn.next_ping:
+                self._ping(conn, now)
+        lost = self.state.tick(now)
+        if lost:
+            names = ", ".join(str(rs.rank) for rs in lost[:10])
+            more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
+            log.warning("rtop hub: rank%s %s%s silent for over %.0f s: marked lost",
+                        "s" if len(lost) > 1 else "", names, more, self.state.lost_after_s)
+        if self.recorder is not None:
+            self.recorder.clock(now)
+        if cfg.linger_s is not None:
+            self._check_linger(mono, cfg.linger_s)
+
+    def _check_linger(self, mono: float, linger: float) -> None:
+        viewers = any(c.role == "viewer" for c in self._conns)
+        busy = viewers or any(rs.status == "active" for rs in self.state.active_ranks())
+        if busy or self.state.current is None:
             self._idle_since = None
             return
-        self._idle_since = self._idle_since or time.monotonic()
-        linger = self.cfg.linger_s
-        if linger is not None and time.monotonic() - self._idle_since > linger:
-            log.info("rtop hub: job over and nobody watching for %.0f s; exiting",
-                     self.cfg.linger_s)
+        self._idle_since = self._idle_since or mono
+        if mono - self._idle_since > linger:
+            log.info("rtop hub: job over and nobody watching for %.0f s; exiting", linger)
             self._spawn(self.close())
 
-    # ---- connections -------------------------------------------------------------------
+    # ---- frames ----------------------------------------------------------------------
 
-    async def _on_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        cid = next(self._conn_ids)
-        task = asyncio.current_task()
-        if task is not None:
-            self._conns[task] = writer
-        peer = writer.get_extra_info("peername")
-        who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.counters["connections"] += 1
-        try:
-            await self._serve(cid, who, reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("rtop hub: unexpected error on connection %s; closed", who)
-        finally:
-            if task is not None:
-                self._conns.pop(task, None)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    def _frame(self, conn: _Conn, raw: bytes, frame: wire.Frame) -> None:
+        if conn.role is None:
+            self._hello(conn, raw, frame)
+        elif conn.role == "rank":
+            self._rank_frame(conn, raw, frame)
+        elif conn.role == "viewer":
+            self._viewer_frame(conn, frame)
 
-    async def _serve(self, cid: int, who: str, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readexactly(wire.HEADER_BYTES),
-                                          self.cfg.hello_timeout_s)
-        except asyncio.TimeoutError:
-            self.counters["silent"] += 1
-            log.warning("rtop hub: %s connected and never spoke within %.0f s; closed",
-                        who, self.cfg.hello_timeout_s)
-            return
-        if head[:4] in (b"GET ", b"HEAD"):
-            await self._http(head, reader, writer, who)
-            return
-        try:
-            header, body, frame = await self._read_rest(head, reader, who)
-        except wire.WireError as exc:
-            self._bad(who, exc, writer)
-            return
+    def _hello(self, conn: _Conn, raw: bytes, frame: wire.Frame) -> None:
         if frame.kind != wire.KIND_HELLO:
-            self._bad(who, wire.WireError(f"expected a hello, got {frame.kind!r}"), writer)
+            self._bad(conn, wire.WireError(f"expected a hello, got {frame.kind!r}"))
             return
         token = frame.payload.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(
-                token.encode(), self.token.encode()):
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token):
             self.counters["refused"] += 1
-            log.warning("rtop hub: %s presented a wrong token; refused", who)
-            await self._send(writer, wire.KIND_ERROR,
-                             {"code": "token", "message": "wrong token"})
+            log.warning("rtop hub: %s presented a wrong token; refused", conn.who)
+            conn.send(wire.KIND_ERROR, {"code": "token", "message": "wrong token"})
+            conn.close()
             return
-        role = frame.payload.get("role", "rank")
-        if role == "viewer":
-            await self._viewer(who, frame, reader, writer)
-        else:
-            await self._rank(cid, who, header, body, frame, reader, writer)
+        if frame.payload.get("role") == "viewer":
+            conn.role = "viewer"
+            conn.send(wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__})
+            return
+        conn.role = "rank"
+        self._rank_frame(conn, raw, frame)
 
-    def _bad(self, who: str, exc: Exception, writer: asyncio.StreamWriter | None) -> None:
+    def _rank_frame(self, conn: _Conn, raw: bytes, frame: wire.Frame) -> None:
+        now = time.time()
+        if frame.kind == wire.KIND_PONG:
+            if conn.rank is not None:
+                self._pong(conn, conn.rank, frame.payload, now)
+            return
+        try:
+            rs = self.state.apply(frame, now)
+        except ProtocolError as exc:
+            self._bad(conn, exc)
+            return
+        if self.recorder is not None:
+            self.recorder.raw(raw, now)
+        if frame.kind == wire.KIND_HELLO and rs is not None:
+            first = conn.rank is None
+            conn.rank = rs
+            if first:
+                conn.send(wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__})
+                log.info("rtop hub: rank %d of %d (%s, attempt %d) connected from %s",
+                         rs.rank, rs.identity.world_size, rs.node, rs.attempt, conn.who)
+        elif frame.kind == wire.KIND_BYE:
+            conn.clean = True
+
+    def _bad(self, conn: _Conn, exc: Exception) -> None:
         self.counters["bad_frames"] += 1
         self.state.bad_frames += 1
-        log.warning("rtop hub: bad frame from %s: %s; connection closed", who, exc)
-        if writer is not None and not writer.is_closing():
-            with contextlib.suppress(Exception):
-                writer.write(wire.encode(wire.KIND_ERROR, {"code": "bad_frame",
-                                                           "message": str(exc)[:200]}))
+        log.warning("rtop hub: bad frame from %s: %s; connection closed", conn.who, exc)
+        conn.send(wire.KIND_ERROR, {"code": "bad_frame", "message": str(exc)[:200]})
+        conn.close()
 
-    async def _read_rest(self, head: bytes, reader: asyncio.StreamReader, who: str
-                         ) -> tuple[bytes, bytes, wire.Frame]:
-        length = wire.parse_header(head, self.cfg.max_frame_bytes)
-        try:
-            body = await asyncio.wait_for(reader.readexactly(length), self.cfg.frame_timeout_s)
-        except asyncio.TimeoutError:
-            raise wire.WireError(
-                f"half a frame: {length} bytes announced, not all sent within "
-                f"{self.cfg.frame_timeout_s:.0f} s") from None
-        return head, body, wire.decode_body(body)
+    def _flood(self, conn: _Conn) -> None:
+        self.counters["floods"] += 1
+        who = f"rank {conn.rank.rank} ({conn.who})" if conn.rank else conn.who
+        log.warning("rtop hub: %s floods the hub (over %.0f MB/s or %.0f frames/s); "
+                    "connection closed", who, self.cfg.flood_bytes_per_s / 1e6,
+                    self.cfg.flood_frames_per_s)
+        conn.close()
 
-    async def _read_frame(self, reader: asyncio.StreamReader, who: str, idle_s: float
-                          ) -> tuple[bytes, bytes, wire.Frame] | None:
-        try:
-            head = await asyncio.wait_for(reader.readexactly(wire.HEADER_BYTES), idle_s)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                raise wire.WireError("connection closed inside a frame header") from None
-            return None
-        return await self._read_rest(head, reader, who)
-
-    async def _send(self, writer: asyncio.StreamWriter, kind: str, payload: dict[str, Any]
-                    ) -> None:
-        writer.write(wire.encode(kind, payload))
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-
-    # ---- ranks -------------------------------------------------------------------------
-
-    async def _rank(self, cid: int, who: str, header: bytes, body: bytes, hello: wire.Frame,
-                    reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        now = time.time()
-        try:
-            rs = self.state.apply(hello, now)
-        except ProtocolError as exc:
-            self._bad(who, exc, writer)
+    def _lost(self, conn: _Conn) -> None:
+        self._conns.discard(conn)
+        rs = conn.rank
+        if conn.role != "rank" or rs is None or conn.clean or self._closed.is_set():
             return
-        assert rs is not None
+        if self._closing is not None:
+            return
+        now = time.time()
+        self.state.on_disconnect(rs, now)
         if self.recorder is not None:
-            self.recorder.raw(header, body, now)
-        self._rank_writers[cid] = writer
-        await self._send(writer, wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__})
-        log.info("rtop hub: rank %d of %d (%s, attempt %d) connected from %s", rs.rank,
-                 rs.identity.world_size, rs.node, rs.attempt, who)
-        pings: dict[int, float] = {}
-        self._pings[id(writer)] = pings
-        pinger = self._spawn(self._pinger(writer))
-        best: list[tuple[float, float]] = []  # (rtt, offset) of recent pongs
-        bytes_bucket = _Bucket(self.cfg.flood_bytes_per_s, self.cfg.flood_burst_s)
-        frames_bucket = _Bucket(self.cfg.flood_frames_per_s, self.cfg.flood_burst_s)
-        clean = False
-        n = 0
-        try:
-            while True:
-                try:
-                    got = await self._read_frame(reader, who, self.cfg.idle_timeout_s)
-                except asyncio.TimeoutError:
-                    log.warning("rtop hub: rank %d (%s) sent nothing for %.0f s; closed",
-                                rs.rank, who, self.cfg.idle_timeout_s)
-                    return
-                except wire.WireError as exc:
-                    self._bad(who, exc, writer)
-                    return
-                if got is None:
-                    return
-                header, body, frame = got
-                if not bytes_bucket.take(len(body) + len(header)) or not frames_bucket.take(1):
-                    self.counters["floods"] += 1
-                    log.warning("rtop hub: rank %d (%s) floods the hub (over %.0f MB/s or "
-                                "%.0f frames/s); connection closed", rs.rank, who,
-                                self.cfg.flood_bytes_per_s / 1e6, self.cfg.flood_frames_per_s)
-                    return
-                now = time.time()
-                if frame.kind == wire.KIND_PONG:
-                    self._on_pong(rs, frame.payload, pings, best, now)
-                    continue
-                try:
-                    got_rs = self.state.apply(frame, now)
-                except ProtocolError as exc:
-                    self._bad(who, exc, writer)
-                    return
-                rs = got_rs or rs
-                if self.recorder is not None:
-                    self.recorder.raw(header, body, now)
-                if frame.kind == wire.KIND_BYE:
-                    clean = True
-                n += 1
-                if n % 64 == 0:
-                    await asyncio.sleep(0)  # let other connections in
-        finally:
-            pinger.cancel()
-            self._pings.pop(id(writer), None)
-            self._rank_writers.pop(cid, None)
-            if not clean:
-                now = time.time()
-                payload = {"event": "close", "rank": rs.rank, "group": rs.identity.group,
-                           "clean": False}
-                self.state.on_disconnect(rs, now)
-                if self.recorder is not None:
-                    self.recorder.frame("conn", payload, now)
-                log.warning("rtop hub: rank %d (%s) disconnected without saying goodbye",
-                            rs.rank, rs.node)
+            self.recorder.frame("conn", {"event": "close", "rank": rs.rank,
+                                         "group": rs.identity.group, "clean": False}, now)
+        log.warning("rtop hub: rank %d (%s) disconnected without saying goodbye",
+                    rs.rank, rs.node)
 
-    async def _pinger(self, writer: asyncio.StreamWriter) -> None:
-        seq = 0
-        await asyncio.sleep(0.2)
-        while not writer.is_closing():
-            seq += 1
-            pings = self._pings.get(id(writer))
-            if pings is None:
-                return
-            t = time.time()
-            pings[seq] = t
-            if len(pings) > 8:
-                pings.pop(min(pings))
-            writer.write(wire.encode(wire.KIND_PING, {"t_hub": t, "seq": seq}))
-            # a few quick pings at first for a good estimate, then a refresh now and then
-            await asyncio.sleep(0.5 if seq < 4 else self.cfg.ping_every_s)
+    # ---- clocks ----------------------------------------------------------------------
 
-    def _on_pong(self, rs: RankState, p: dict[str, Any], pings: dict[int, float],
-                 best: list[tuple[float, float]], now: float) -> None:
+    def _ping(self, conn: _Conn, now: float) -> None:
+        conn.ping_seq += 1
+        conn.pings[conn.ping_seq] = now
+        if len(conn.pings) > 8:
+            conn.pings.pop(min(conn.pings))
+        conn.send(wire.KIND_PING, {"t_hub": now, "seq": conn.ping_seq})
+        # a few quick pings at first for a good estimate, then a refresh now and then
+        conn.next_ping = time.monotonic() + (0.5 if conn.ping_seq < 4 else
+                                             self.cfg.ping_every_s)
+
+    def _pong(self, conn: _Conn, rs: RankState, p: dict[str, Any], now: float) -> None:
         seq = p.get("seq")
-        sent = pings.pop(seq, None) if isinstance(seq, int) else None
+        sent = conn.pings.pop(seq, None) if isinstance(seq, int) else None
         t_rank = p.get("t_rank")
         if sent is None or not isinstance(t_rank, (int, float)):
             return
-        rtt = now - sent
-        best.append((rtt, float(t_rank) - (sent + now) / 2))
-        del best[:-8]
-        rtt_min, offset = min(best)  # the least-delayed exchange is the most accurate
-        rs.offset_s, rs.rtt_s = offset, rtt_min
+        conn.best.append((now - sent, float(t_rank) - (sent + now) / 2))
+        del conn.best[:-8]
+        rtt, offset = min(conn.best)  # the least-delayed exchange is the most accurate
+        rs.offset_s, rs.rtt_s = offset, rtt
         if self.recorder is not None:
             self.recorder.frame("offset", {"rank": rs.rank, "group": rs.identity.group,
-                                           "offset_s": offset, "rtt_s": rtt_min}, now)
+                                           "offset_s": offset, "rtt_s": rtt}, now)
 
     # ---- viewers -----------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
         """The current snapshot, with findings when an analyzer is attached."""
         snap = self.state.snapshot()
+        t0 = time.perf_counter()
         snap["findings"] = self.analyze(self.state) if self.analyze else []
+        snap["analysis_s"] = time.perf_counter() - t0
         snap["hub"] = {"address": self.address, "counters": dict(self.counters),
                        "record": str(self.recorder.path) if self.recorder else None}
         return snap
 
     def _snapshot_frame(self) -> bytes:
         now = time.monotonic()
-        if self._snap_cache is not None and now - self._snap_cache[0] < 0.1:
+        if self._snap_cache is not None and now - self._snap_cache[0] < 0.2:
             return self._snap_cache[1]
         data = wire.encode(wire.KIND_SNAPSHOT, self.snapshot())
         self._snap_cache = (now, data)
         return data
 
-    async def _viewer(self, who: str, hello: wire.Frame, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> None:
-        self._viewers += 1
-        await self._send(writer, wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__})
-        pusher: asyncio.Task[Any] | None = None
-        try:
-            while True:
-                try:
-                    got = await self._read_frame(reader, who, 3600.0)
-                except wire.WireError as exc:
-                    self._bad(who, exc, writer)
-                    return
-                except asyncio.TimeoutError:
-                    return
-                if got is None:
-                    return
-                frame = got[2]
-                if frame.kind == wire.KIND_SUBSCRIBE:
-                    rate = frame.payload.get("rate_hz", self.cfg.push_hz)
-                    rate = min(max(float(rate) if isinstance(rate, (int, float)) else 2.0,
-                                   0.1), 20.0)
-                    if pusher is not None:
-                        pusher.cancel()
-                    pusher = self._spawn(self._push(writer, rate))
-                elif frame.kind == wire.KIND_REQUEST:
-                    self._offer(writer, self._answer(frame.payload))
-        finally:
-            self._viewers -= 1
-            if pusher is not None:
-                pusher.cancel()
-
-    def _answer(self, req: dict[str, Any]) -> bytes:
-        what = req.get("what", "snapshot")
-        if what == "rank" and isinstance(req.get("rank"), int):
-            return wire.encode("rank", self.rank_detail(req["rank"]))
-        return self._snapshot_frame()
+    def _viewer_frame(self, conn: _Conn, frame: wire.Frame) -> None:
+        p = frame.payload
+        if frame.kind == wire.KIND_SUBSCRIBE:
+            rate = p.get("rate_hz", self.cfg.push_hz)
+            ok = isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0
+            conn.rate = min(float(rate), MAX_VIEWER_HZ) if ok else self.cfg.push_hz
+            conn.next_push = 0.0
+        elif frame.kind == wire.KIND_REQUEST:
+            if p.get("what") == "rank" and isinstance(p.get("rank"), int):
+                self._offer(conn, wire.encode("rank", self.rank_detail(p["rank"])))
+            else:
+                self._offer(conn, self._snapshot_frame())
 
     def rank_detail(self, rank: int) -> dict[str, Any]:
         """One rank's full window: step and sample histories, stack, events, meta."""
@@ -484,40 +477,50 @@ class Hub:
         if rs is None:
             return {"rank": rank, "found": False}
         st = self.state
-        return {
+        detail: dict[str, Any] = {
             "rank": rank, "found": True, "identity": rs.identity.to_wire(),
             "status": rs.status, "meta": rs.meta, "stack": rs.stack,
-            "events": list(rs.events), "offset_s": rs.offset_s,
-            "steps": {f: _clean(st.steps.history(f, rs.slot)) for f in st.steps.fields},
-            "samples": {f: _clean(st.samples.history(f, rs.slot)) for f in st.samples.fields},
+            "events": list(rs.events), "offset_s": rs.offset_s, "gpu": rs.gpu,
+            "host": rs.host, "mem": rs.mem, "hb": rs.hb, "summary": rs.summary,
         }
+        if rs.slot is not None:
+            detail["steps"] = {f: _clean(st.steps.history(f, rs.slot)) for f in st.steps.fields}
+            detail["samples"] = {f: _clean(st.samples.history(f, rs.slot))
+                                 for f in st.samples.fields}
+        return detail
 
-    def _offer(self, writer: asyncio.StreamWriter, data: bytes) -> None:
-        transport = writer.transport
-        if writer.is_closing():
+    def _offer(self, conn: _Conn, data: bytes) -> None:
+        t = conn.transport
+        if t is None or conn.closing:
             return
-        if transport.get_write_buffer_size() > self.cfg.viewer_high_water:
+        if t.get_write_buffer_size() > self.cfg.viewer_high_water:
             self.counters["snapshots_skipped"] += 1  # a slow viewer gets fewer, never a backlog
             return
-        writer.write(data)
+        t.write(data)
         self.counters["snapshots_sent"] += 1
 
-    async def _push(self, writer: asyncio.StreamWriter, rate: float) -> None:
-        while not writer.is_closing():
-            self._offer(writer, self._snapshot_frame())
-            await asyncio.sleep(1.0 / rate)
+    async def _pusher(self) -> None:
+        while True:
+            await asyncio.sleep(1.0 / MAX_VIEWER_HZ)
+            mono = time.monotonic()
+            for conn in [c for c in self._conns if c.role == "viewer" and c.rate > 0]:
+                if mono >= conn.next_push:
+                    try:
+                        self._offer(conn, self._snapshot_frame())
+                    except Exception:
+                        log.exception("rtop hub: could not build a snapshot")
+                    conn.next_push = max(conn.next_push + 1.0 / conn.rate, mono)
 
     # ---- Prometheus ----------------------------------------------------------------------
 
-    async def _http(self, head: bytes, reader: asyncio.StreamReader,
-                    writer: asyncio.StreamWriter, who: str) -> None:
-        try:
-            rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
-        except (asyncio.TimeoutError, asyncio.LimitOverrunError, asyncio.IncompleteReadError):
-            log.warning("rtop hub: incomplete HTTP request from %s; closed", who)
+    def _http(self, conn: _Conn) -> None:
+        buf = bytes(conn.http)
+        if b"\r\n\r\n" not in buf:
+            if len(buf) > HTTP_MAX_BYTES:
+                log.warning("rtop hub: oversized HTTP request from %s; closed", conn.who)
+                conn.close()
             return
-        text = (head + rest)[:16384].decode("latin-1")
-        lines = text.split("\r\n")
+        lines = buf.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
         parts = lines[0].split()
         path = parts[1] if len(parts) > 1 else "/"
         auth = ""
@@ -527,28 +530,37 @@ class Hub:
         presented = auth[7:] if auth.lower().startswith("bearer ") else ""
         if "?token=" in path:
             path, presented = path.split("?token=", 1)
-        if not hmac.compare_digest(presented.encode(), self.token.encode()):
+        t = conn.transport
+        assert t is not None
+        if not hmac.compare_digest(presented.encode(), self._token):
             self.counters["refused"] += 1
-            log.warning("rtop hub: HTTP request from %s without the right token; refused", who)
-            writer.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n"
-                         b"Connection: close\r\n\r\n")
-            return
-        if path != "/metrics":
-            writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n"
-                         b"Connection: close\r\n\r\n")
-            return
-        from rtop.hub.metrics import prometheus_text
+            log.warning("rtop hub: HTTP request from %s without the right token; refused",
+                        conn.who)
+            t.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n"
+                    b"Connection: close\r\n\r\n")
+        elif path != "/metrics":
+            t.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        else:
+            from rtop.hub.metrics import prometheus_text
 
-        body = prometheus_text(self.snapshot()).encode()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                     + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                     + body)
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
+            body = prometheus_text(self.snapshot()).encode()
+            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                    + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                    + body)
+        conn.close()
 
 
 def _clean(values: Any) -> list[float | None]:
     return [None if v != v else float(v) for v in values.tolist()]
+
+
+def _raise_fd_limit() -> None:
+    """One socket per rank: lift the soft open-file limit to the hard one."""
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else 1 << 16
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def _outward_ip() -> str:

@@ -4,7 +4,8 @@ The same :class:`RunState` is fed by the live hub and by a recording being repla
 both call :meth:`RunState.apply` with each frame and the hub's time when it arrived.
 Windows are bounded (by steps and by samples, per rank); a rank that stops sending is
 marked lost; a Ray Train worker-group restart (a new ``group`` in the identity) starts a
-new attempt and the previous attempt's ranks are kept, ended, for its history.
+new attempt and the previous attempt's ranks are kept, ended, for its history (their
+windows are given up only when the new attempt needs the room).
 """
 
 from __future__ import annotations
@@ -20,21 +21,32 @@ import numpy as np
 from collectors import wire
 from collectors.identity import Identity
 from collectors.schema import GPU_FIELDS, HEARTBEAT_FIELDS, HOST_FIELDS, MEM_FIELDS, STEP_FIELDS
-from rtop.hub.ring import Rings
+from rtop.hub.ring import Rings, nanmedian_rows
 
 #: Step fields kept per rank in the rolling window.
 STEP_HISTORY = ("step", "t_wall", "step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
                 "comm_exposed_s", "comm_bytes", "busbw_Bps", "samples", "gap_s")
 #: Sample fields kept per rank (about one value a second); the rest is latest-only.
 SAMPLE_HISTORY = ("t_wall", "gpu_util_pct", "gpu_mem_used_bytes", "gpu_power_w",
-                  "gpu_temp_c", "gpu_sm_clock_mhz", "proc_cpu_pct", "loader_cpu_pct",
-                  "rss_bytes", "mem_used_bytes", "mem_peak_bytes")
+                  "gpu_temp_c", "gpu_sm_clock_mhz", "host_proc_cpu_pct",
+                  "host_loader_cpu_pct", "host_rss_bytes", "mem_used_bytes", "mem_peak_bytes")
+#: Step fields whose recent medians a snapshot carries.
+SNAPSHOT_STEP_FIELDS = ("step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
+                        "comm_exposed_s", "comm_bytes", "busbw_Bps", "samples", "gap_s")
 
-_STEP_IDX = [STEP_FIELDS.index(f) for f in STEP_HISTORY]
+_STEP_PICK = [STEP_FIELDS.index(f) for f in STEP_HISTORY]
 _GPU = {f: i for i, f in enumerate(GPU_FIELDS)}
 _HOST = {f: i for i, f in enumerate(HOST_FIELDS)}
 _MEM = {f: i for i, f in enumerate(MEM_FIELDS)}
 _HB = {f: i for i, f in enumerate(HEARTBEAT_FIELDS)}
+_GPU_HIST = [_GPU[k] for k in ("util_pct", "mem_used_bytes", "power_w", "temp_c",
+                               "sm_clock_mhz")]
+_HOST_HIST = [_HOST[k] for k in ("proc_cpu_pct", "loader_cpu_pct", "rss_bytes")]
+_MEM_HIST = [_MEM[k] for k in ("used_bytes", "peak_bytes")]
+#: Latest-sample columns (numbers only) kept per slot for snapshots.
+LATEST = tuple([f"gpu_{f}" for f in GPU_FIELDS[1:]] + [f"host_{f}" for f in HOST_FIELDS[1:]]
+               + [f"mem_{f}" for f in MEM_FIELDS[2:]] + ["phase_s"])
+_NAN = float("nan")
 
 
 class ProtocolError(ValueError):
@@ -42,20 +54,14 @@ class ProtocolError(ValueError):
 
 
 def _num(x: Any) -> float:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else _NAN
 
 
-def _rows_to_array(rows: Any, width: int, pick: list[int]) -> np.ndarray:
-    """Rows of a batch table to a float array (NaN for missing), rejecting bad shapes."""
-    if not isinstance(rows, list):
-        raise ProtocolError("a batch table is not a list of rows")
-    out = np.empty((len(rows), len(pick)), dtype=np.float64)
-    for i, row in enumerate(rows):
-        if not isinstance(row, list) or len(row) != width:
-            raise ProtocolError(f"a row has {len(row) if isinstance(row, list) else '?'} "
-                                f"values, expected {width}")
-        out[i] = [_num(row[j]) for j in pick]
-    return out
+def _check_rows(name: str, rows: Any, width: int) -> list[list[Any]]:
+    if not isinstance(rows, list) or not all(
+            isinstance(r, list) and len(r) == width for r in rows):
+        raise ProtocolError(f"malformed '{name}' rows (expected lists of {width} values)")
+    return rows
 
 
 @dataclass
@@ -64,7 +70,7 @@ class RankState:
 
     identity: Identity
     attempt: int
-    slot: int
+    slot: int | None
     status: str = "active"  # active | finished | lost | ended (a later attempt replaced it)
     first_seen: float = 0.0
     last_seen: float = 0.0
@@ -79,10 +85,12 @@ class RankState:
     host: list[Any] | None = None
     mem: list[Any] | None = None
     hb: list[Any] | None = None
+    mem_device: str | None = None
     stack: str | None = None
     stack_t: float | None = None
     events: deque[list[Any]] = field(default_factory=lambda: deque(maxlen=64))
     collector: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, float | None] = field(default_factory=dict)  # once the window is freed
 
     @property
     def rank(self) -> int:
@@ -93,6 +101,11 @@ class RankState:
     def node(self) -> str:
         """Node (hostname) the rank runs on."""
         return self.identity.hostname
+
+    @property
+    def phase(self) -> str | None:
+        """What the rank was doing at its last heartbeat."""
+        return str(self.hb[_HB["phase"]]) if self.hb else None
 
 
 @dataclass
@@ -120,6 +133,8 @@ class RunState:
                  recent_steps: int = 20) -> None:
         self.steps = Rings(STEP_HISTORY, window_steps)
         self.samples = Rings(SAMPLE_HISTORY, window_samples)
+        self.latest = np.full((self.steps.slots, len(LATEST)), np.nan)
+        self._latest_idx = {f: i for i, f in enumerate(LATEST)}
         self.lost_after_s = lost_after_s
         self.keep_attempts = keep_attempts
         self.recent_steps = recent_steps
@@ -134,24 +149,55 @@ class RunState:
         self.step_records = 0
         self.bad_frames = 0
 
-    # ---- attempts and ranks -------------------------------------------------------
+    # ---- attempts, ranks, slots -----------------------------------------------------
 
     @property
     def current(self) -> Attempt | None:
         """The latest attempt."""
         return self.attempts[-1] if self.attempts else None
 
+    def _grow(self, slots: int) -> None:
+        self.steps.ensure(slots)
+        self.samples.ensure(slots)
+        have = self.latest.shape[0]
+        if self.steps.slots > have:
+            grown = np.full((self.steps.slots, len(LATEST)), np.nan)
+            grown[:have] = self.latest
+            self.latest = grown
+
     def _slot(self) -> int:
+        if not self._free_slots:
+            self._reclaim()
         if self._free_slots:
             slot = self._free_slots.pop()
         else:
             slot = self._next_slot
             self._next_slot += 1
-            self.steps.ensure(slot + 1)
-            self.samples.ensure(slot + 1)
+            self._grow(slot + 1)
         self.steps.clear(slot)
         self.samples.clear(slot)
+        self.latest[slot] = np.nan
         return slot
+
+    def _reclaim(self) -> None:
+        """Free the windows of ended attempts' ranks once the current attempt needs more
+        room than its world size allows for; a short summary of each is kept."""
+        cur = self.current
+        if cur is None or self._next_slot < self._slot_budget(cur):
+            return
+        for att in self.attempts[:-1]:
+            for rs in att.ranks.values():
+                if rs.slot is not None:
+                    rs.summary = self._summarise(rs)
+                    self._free_slots.append(rs.slot)
+                    rs.slot = None
+
+    def _summarise(self, rs: RankState) -> dict[str, float | None]:
+        if rs.slot is None:
+            return rs.summary
+        med = nanmedian_rows(self.steps.last(np.array([rs.slot]), self.steps.window))[0]
+        return {f: (None if math.isnan(v) else float(v))
+                for f, v in zip(self.steps.fields, med.tolist(), strict=True)}
 
     def _attempt_for(self, ident: Identity, t_hub: float) -> Attempt:
         group = ident.group or f"{ident.job}#{ident.attempt}"
@@ -169,12 +215,19 @@ class RunState:
         while len(self.attempts) > self.keep_attempts:
             gone = self.attempts.pop(0)
             del self._by_group[gone.group]
-            self._free_slots += [rs.slot for rs in gone.ranks.values()]
+            self._free_slots += [rs.slot for rs in gone.ranks.values() if rs.slot is not None]
+        # room for the new world at once (not rank by rank), within the slot budget
+        self._grow(min(self._next_slot + ident.world_size, self._slot_budget(att)))
         return att
+
+    @staticmethod
+    def _slot_budget(att: Attempt) -> int:
+        """Slots the hub allows itself: the world size, a quarter more, and 64."""
+        return int(att.world_size * 1.25) + 64
 
     def rank_state(self, rank: int, group: str | None = None) -> RankState | None:
         """The state of a rank in the given group's attempt (default: the current one)."""
-        att = self._by_group.get(group) if group else self.current
+        att = self._by_group.get(group) if group else None
         if att is None:
             att = self.current
         return att.ranks.get(rank) if att is not None else None
@@ -184,16 +237,17 @@ class RunState:
         att = self.current
         return list(att.ranks.values()) if att is not None else []
 
-    # ---- frames -------------------------------------------------------------------
+    # ---- frames ---------------------------------------------------------------------
 
     def apply(self, frame: wire.Frame, t_hub: float) -> RankState | None:
         """Apply one frame received (or replayed) at hub time ``t_hub``.
 
         Returns the rank the frame belongs to, if any. Raises :class:`ProtocolError` for
-        a frame whose content breaks the protocol; the state is then unchanged.
+        a frame whose content breaks the protocol.
         """
-        self.now = max(self.now, t_hub)
-        if self.started is None:
+        if t_hub > self.now:
+            self.now = t_hub
+        if self.started is None and t_hub > 0:
             self.started = t_hub
         self.frames += 1
         kind, p = frame.kind, frame.payload
@@ -206,7 +260,8 @@ class RunState:
         if kind == wire.KIND_BYE:
             rs = self._rank_of(p)
             rs.status, rs.connected, rs.last_seen = "finished", False, t_hub
-            rs.dropped = int(p.get("dropped") or rs.dropped)
+            if isinstance(p.get("dropped"), int):
+                rs.dropped = p["dropped"]
             return rs
         if kind == "offset":
             rs = self._rank_of(p)
@@ -224,7 +279,8 @@ class RunState:
         rank = p.get("rank")
         if not isinstance(rank, int):
             raise ProtocolError("frame without an integer 'rank'")
-        rs = self.rank_state(rank, p.get("group"))
+        group = p.get("group")
+        rs = self.rank_state(rank, group if isinstance(group, str) else None)
         if rs is None:
             raise ProtocolError(f"frame for rank {rank} before its hello")
         return rs
@@ -239,8 +295,9 @@ class RunState:
         except TypeError as exc:
             raise ProtocolError(f"hello identity incomplete: {exc}") from None
         if not isinstance(ident.rank, int) or not isinstance(ident.world_size, int) \
-                or ident.rank < 0 or ident.world_size < 1:
-            raise ProtocolError("hello identity has no valid rank / world_size")
+                or not 0 <= ident.rank < 1 << 20 or not 1 <= ident.world_size <= 1 << 20 \
+                or not isinstance(ident.hostname, str):
+            raise ProtocolError("hello identity has no valid rank / world_size / hostname")
         att = self._attempt_for(ident, t_hub)
         rs = att.ranks.get(ident.rank)
         if rs is None:
@@ -254,34 +311,42 @@ class RunState:
         return rs
 
     def on_batch(self, rs: RankState, p: dict[str, Any], t_hub: float) -> None:
-        """Records from a rank."""
-        steps = p.get("steps")
+        """Records from a rank (validated before anything is stored)."""
+        steps = _check_rows("steps", p.get("steps") or [], len(STEP_FIELDS))
+        gpu = _check_rows("gpu", p.get("gpu") or [], len(GPU_FIELDS))
+        host = _check_rows("host", p.get("host") or [], len(HOST_FIELDS))
+        mem = _check_rows("mem", p.get("mem") or [], len(MEM_FIELDS))
+        hbs = _check_rows("hb", p.get("hb") or [], len(HEARTBEAT_FIELDS))
+        slot = rs.slot
+        if slot is not None:
+            for row in steps:
+                self.steps.append(slot, [_num(row[j]) for j in _STEP_PICK])
         if steps:
-            arr = _rows_to_array(steps, len(STEP_FIELDS), _STEP_IDX)
-            self.steps.append_rows(rs.slot, arr)
             rs.steps_seen += len(steps)
             self.step_records += len(steps)
-            last = arr[-1, 0]
-            if not math.isnan(last):
-                rs.last_step = int(last)
-        gpu, host, mem = p.get("gpu"), p.get("host"), p.get("mem")
-        for name, rows, width in (("gpu", gpu, len(GPU_FIELDS)), ("host", host, len(HOST_FIELDS)),
-                                  ("mem", mem, len(MEM_FIELDS))):
-            if rows:
-                if not isinstance(rows, list) or not all(
-                        isinstance(r, list) and len(r) == width for r in rows):
-                    raise ProtocolError(f"malformed '{name}' rows")
-                setattr(rs, name, rows[-1])
+            last = steps[-1][0]
+            if isinstance(last, int):
+                rs.last_step = last
         if gpu or host or mem:
-            self._append_samples(rs, gpu or [], host or [], mem or [])
-        for hb in p.get("hb") or []:
-            if not isinstance(hb, list) or len(hb) != len(HEARTBEAT_FIELDS):
-                raise ProtocolError("malformed heartbeat row")
+            if gpu:
+                rs.gpu = gpu[-1]
+            if host:
+                rs.host = host[-1]
+            if mem:
+                rs.mem = mem[-1]
+                dev = mem[-1][_MEM["device"]]
+                rs.mem_device = dev if isinstance(dev, str) else None
+            if slot is not None:
+                self._samples(slot, gpu, host, mem)
+        for hb in hbs:
             rs.hb = hb
             if hb[_HB["stack"]]:
                 rs.stack, rs.stack_t = str(hb[_HB["stack"]]), t_hub
-        for ev in p.get("events") or []:
-            rs.events.append(ev)
+        if hbs and slot is not None:
+            self.latest[slot, -1] = _num(hbs[-1][_HB["phase_s"]])
+        events = p.get("events")
+        if isinstance(events, list):
+            rs.events.extend(e for e in events if isinstance(e, list))
         if isinstance(p.get("meta"), dict):
             rs.meta.update(p["meta"])
         dropped = p.get("dropped")
@@ -292,25 +357,26 @@ class RunState:
             rs.status = "active"
         rs.connected = True
 
-    def _append_samples(self, rs: RankState, gpu: list[Any], host: list[Any],
-                        mem: list[Any]) -> None:
-        n = max(len(gpu), len(host), len(mem))
-        rows = np.full((n, len(SAMPLE_HISTORY)), np.nan)
-        for i in range(n):
+    def _samples(self, slot: int, gpu: list[list[Any]], host: list[list[Any]],
+                 mem: list[list[Any]]) -> None:
+        latest = self.latest[slot]
+        n_gpu, n_host = len(GPU_FIELDS) - 1, len(HOST_FIELDS) - 1
+        if gpu:
+            latest[:n_gpu] = [_num(v) for v in gpu[-1][1:]]
+        if host:
+            latest[n_gpu:n_gpu + n_host] = [_num(v) for v in host[-1][1:]]
+        if mem:
+            latest[n_gpu + n_host:-1] = [_num(v) for v in mem[-1][2:]]
+        for i in range(max(len(gpu), len(host), len(mem))):
             g = gpu[i] if i < len(gpu) else None
             h = host[i] if i < len(host) else None
             m = mem[i] if i < len(mem) else None
             src = g or h or m
-            rows[i, 0] = _num(src[0]) if src else math.nan
-            if g:
-                rows[i, 1:6] = [_num(g[_GPU[k]]) for k in (
-                    "util_pct", "mem_used_bytes", "power_w", "temp_c", "sm_clock_mhz")]
-            if h:
-                rows[i, 6:9] = [_num(h[_HOST[k]]) for k in (
-                    "proc_cpu_pct", "loader_cpu_pct", "rss_bytes")]
-            if m:
-                rows[i, 9:11] = [_num(m[_MEM["used_bytes"]]), _num(m[_MEM["peak_bytes"]])]
-        self.samples.append_rows(rs.slot, rows)
+            row = [_num(src[0]) if src else _NAN]
+            row += [_num(g[j]) for j in _GPU_HIST] if g else [_NAN] * len(_GPU_HIST)
+            row += [_num(h[j]) for j in _HOST_HIST] if h else [_NAN] * len(_HOST_HIST)
+            row += [_num(m[j]) for j in _MEM_HIST] if m else [_NAN] * len(_MEM_HIST)
+            self.samples.append(slot, row)
 
     def on_disconnect(self, rs: RankState, t_hub: float) -> None:
         """The rank's connection closed; without a bye it is lost until it reconnects."""
@@ -331,6 +397,19 @@ class RunState:
 
     # ---- views ------------------------------------------------------------------------
 
+    def window(self, ranks: list[RankState], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Medians of the last ``k`` steps ``(n, len(STEP_HISTORY))`` and the latest
+        samples ``(n, len(LATEST))`` of ``ranks`` (NaN where missing)."""
+        slots = np.array([r.slot if r.slot is not None else 0 for r in ranks], dtype=np.int64)
+        med = nanmedian_rows(self.steps.last(slots, k)) if len(ranks) else \
+            np.empty((0, len(STEP_HISTORY)))
+        latest = self.latest[slots] if len(ranks) else np.empty((0, len(LATEST)))
+        gone = np.array([r.slot is None for r in ranks], dtype=bool)
+        if gone.any():
+            med[gone] = np.nan
+            latest[gone] = np.nan
+        return med, latest
+
     def snapshot(self, recent: int | None = None) -> dict[str, Any]:
         """A columnar summary of the current attempt (msgpack-able, viewer-ready).
 
@@ -340,51 +419,33 @@ class RunState:
         t0 = time.perf_counter()
         k = recent or self.recent_steps
         ranks = sorted(self.active_ranks(), key=lambda r: r.rank)
-        slots = np.array([r.slot for r in ranks], dtype=np.int64)
+        med, latest = self.window(ranks, k)
+        now = self.now
         cols: dict[str, list[Any]] = {
             "rank": [r.rank for r in ranks],
             "node": [r.node for r in ranks],
             "status": [r.status for r in ranks],
             "step": [r.last_step for r in ranks],
-            "last_seen_s": [round(self.now - r.last_seen, 3) for r in ranks],
+            "last_seen_s": [round(now - r.last_seen, 3) for r in ranks],
             "dropped": [r.dropped for r in ranks],
             "offset_s": [r.offset_s for r in ranks],
+            "phase": [r.phase for r in ranks],
+            "mem_device": [r.mem_device for r in ranks],
         }
-        if len(ranks):
-            for f in ("step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
-                      "comm_exposed_s", "comm_bytes", "busbw_Bps", "samples", "gap_s"):
-                cols[f] = _nan_to_none(_nanmedian_rows(self.steps.last(f, slots, k)))
-        for name, idx in (("gpu", _GPU), ("host", _HOST), ("mem", _MEM)):
-            for f, i in idx.items():
-                if f != "t_wall":  # latest sample, e.g. gpu_util_pct, host_rss_bytes
-                    cols[f"{name}_{f}"] = [(getattr(r, name) or [None] * len(idx))[i]
-                                           for r in ranks]
-        cols["phase"] = [r.hb[_HB["phase"]] if r.hb else None for r in ranks]
-        cols["phase_s"] = [r.hb[_HB["phase_s"]] if r.hb else None for r in ranks]
+        for f in SNAPSHOT_STEP_FIELDS:
+            cols[f] = column(med[:, self.steps.index[f]])
+        for j, f in enumerate(LATEST):
+            cols[f] = column(latest[:, j])
         att = self.current
-        nodes: dict[str, list[int]] = {}
-        for i, r in enumerate(ranks):
-            nodes.setdefault(r.node, []).append(i)
-        node_cols: dict[str, list[Any]] = {"node": list(nodes), "ranks": [],
-                                           "active": [], "step_s": [], "data_wait_s": [],
-                                           "comm_s": [], "busbw_Bps": []}
-        for members in nodes.values():
-            node_cols["ranks"].append(len(members))
-            node_cols["active"].append(sum(1 for i in members if ranks[i].status == "active"))
-            for f, agg in (("step_s", max), ("data_wait_s", max), ("comm_s", max),
-                           ("busbw_Bps", min)):
-                vals = [v for v in (cols.get(f, [None] * len(ranks))[i] for i in members)
-                        if v is not None]
-                node_cols[f].append(agg(vals) if vals else None)
         snap = {
-            "t_hub": self.now,
+            "t_hub": now,
             "run": {
                 "job": att.job if att else "",
                 "attempt": att.number if att else None,
                 "attempts": len(self.attempts),
                 "world_size": att.world_size if att else 0,
                 "ranks_seen": len(ranks),
-                "uptime_s": (self.now - self.started) if self.started else 0.0,
+                "uptime_s": (now - self.started) if self.started else 0.0,
                 "frames": self.frames,
                 "step_records": self.step_records,
                 "bad_frames": self.bad_frames,
@@ -392,27 +453,39 @@ class RunState:
             },
             "ranks": cols,
             # per node: the worst rank's figure (slowest step, longest wait, lowest busbw)
-            "nodes": node_cols,
+            "nodes": self._nodes(ranks, med),
         }
         snap["build_s"] = time.perf_counter() - t0
         return snap
 
+    def _nodes(self, ranks: list[RankState], med: np.ndarray) -> dict[str, list[Any]]:
+        names: dict[str, int] = {}
+        node_of = np.array([names.setdefault(r.node, len(names)) for r in ranks],
+                           dtype=np.int64)
+        n = len(names)
+        out: dict[str, list[Any]] = {"node": list(names)}
+        out["ranks"] = np.bincount(node_of, minlength=n).tolist() if n else []
+        active = np.array([r.status == "active" for r in ranks], dtype=np.int64)
+        out["active"] = np.bincount(node_of, weights=active, minlength=n).astype(int).tolist() \
+            if n else []
+        for f, worst in (("step_s", np.fmax), ("data_wait_s", np.fmax), ("comm_s", np.fmax),
+                         ("busbw_Bps", np.fmin)):
+            agg = np.full(n, np.nan)
+            if n:
+                worst.at(agg, node_of, med[:, self.steps.index[f]])
+            out[f] = column(agg)
+        return out
+
     def nbytes(self) -> int:
         """Bytes held in the windows."""
-        return self.steps.nbytes() + self.samples.nbytes()
+        return self.steps.nbytes() + self.samples.nbytes() + int(self.latest.nbytes)
 
 
-def _nanmedian_rows(a: np.ndarray) -> np.ndarray:
-    if a.size == 0:
-        return np.full(a.shape[0], np.nan)
-    valid = ~np.isnan(a)
-    out = np.full(a.shape[0], np.nan)
-    has = valid.any(axis=1)
-    if has.any():
-        out[has] = np.nanmedian(a[has], axis=1)
-    return out
-
-
-def _nan_to_none(a: np.ndarray) -> list[float | None]:
-    return [None if math.isnan(x) else float(x) for x in a.tolist()]
-
+def column(a: np.ndarray) -> list[float | None]:
+    """A float column as a list, NaN as None."""
+    nan = np.isnan(a)
+    if not nan.any():
+        return a.tolist()  # type: ignore[no-any-return]
+    if nan.all():
+        return [None] * len(a)
+    return [None if m else v for v, m in zip(a.tolist(), nan.tolist(), strict=True)]
