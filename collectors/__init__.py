@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterable
 from typing import Any, TypeVar
@@ -97,9 +98,26 @@ def start(
             return _probe
         identity = detect(rank=rank, world_size=world_size, local_rank=local_rank)
         probe = Probe(identity, config)
-        atexit.register(probe.close)
+        atexit.register(probe.close, reason="exit")
+        _install_excepthook()
         _probe = probe
         return probe
+
+
+def _install_excepthook() -> None:
+    """Note an uncaught exception so the hub hears that the rank failed, and why."""
+    previous = sys.excepthook
+    if getattr(previous, "_rtop", False):
+        return
+
+    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        p = _probe
+        if isinstance(p, Probe) and not issubclass(tp, KeyboardInterrupt):
+            p.exit_error = f"{tp.__name__}: {value}"[:500]
+        previous(tp, value, tb)
+
+    hook._rtop = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def current() -> Probe | NullProbe | None:

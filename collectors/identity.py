@@ -160,6 +160,8 @@ def detect(**overrides: Any) -> Identity:
         fields["attempt"] = attempt
     if os.environ.get("RTOP_JOB"):
         fields["job"] = os.environ["RTOP_JOB"]
+    if os.environ.get("RTOP_NODE"):  # containers with random hostnames, test "nodes"
+        fields["hostname"] = os.environ["RTOP_NODE"]
     fields.update({k: v for k, v in overrides.items() if v is not None})
     if not fields["ip"]:
         fields["ip"] = _host_ip()

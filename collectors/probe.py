@@ -209,6 +209,8 @@ class Probe:
         self._cuda_start: Any = None
         self._step_timer = _StepTimer(self)
         self.notes: list[str] = []
+        self.exit_reason = ""
+        self.exit_error: str | None = None  # an uncaught exception, when we saw one
         self.memory = MemorySampler(self.config.memory_capacity_bytes)
         self._closed = False
         from collectors.sender import Sender
@@ -275,12 +277,17 @@ class Probe:
         """Counters: records sent, dropped (buffer full, hub unreachable), frames, connects."""
         return {"dropped_buffer": self.dropped_buffer, **self._sender.stats()}
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, reason: str = "closed") -> None:
         """Flush what can be flushed within ``timeout`` seconds (default from the config)
-        and stop the sender. Safe to call twice; never hangs."""
+        and stop the sender. Safe to call twice; never hangs.
+
+        The hub is told why the rank left: ``closed`` (this call, the end of training),
+        or ``exit`` (the interpreter exited without it: the script ended or crashed).
+        """
         if self._closed:
             return
         self._closed = True
+        self.exit_reason = reason
         self._sender.stop(self.config.close_timeout_s if timeout is None else timeout)
 
     def __enter__(self) -> Probe:

@@ -612,7 +612,8 @@ class Sender(threading.Thread):
                 if bye_queued:
                     break
                 bye = {"rank": self._p.identity.rank, "group": self._p.identity.group,
-                       "dropped": self.dropped_total()}
+                       "dropped": self.dropped_total(), "reason": self._p.exit_reason,
+                       "error": self._p.exit_error}
                 self._writing.append([memoryview(wire.encode(wire.KIND_BYE, bye)), 0])
                 bye_queued = True
             self._service(now)

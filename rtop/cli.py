@@ -35,10 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--auto", action="store_true", help=argparse.SUPPRESS)
     serve.add_argument("--linger", type=float, default=None, metavar="S",
                        help="exit S seconds after the job ended and no viewer is attached")
+    serve.add_argument("--thresholds", default=None, metavar="FILE",
+                       help="JSON file of diagnosis thresholds (see rtop/analysis/config.py)")
 
     report = sub.add_parser("report", help="summarise a recorded run")
     report.add_argument("run", help="a recording (.rtop); may still be being written")
     report.add_argument("--json", action="store_true", help="print JSON")
+    report.add_argument("--thresholds", default=None, metavar="FILE",
+                        help="JSON file of diagnosis thresholds")
 
     status = sub.add_parser("status", help="print the ranks of a live job once")
     status.add_argument("address", nargs="?", help="hub host:port (default: discover)")
@@ -102,7 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"  recording: {rec}", flush=True)
 
     try:
-        asyncio.run(serve(cfg, ready))
+        asyncio.run(serve(cfg, ready, thresholds=args.thresholds))
     except OSError as exc:
         print(f"rtop serve: {exc}", file=sys.stderr)
         return 1
@@ -112,10 +116,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """``rtop report RUN [--json]``."""
     from collectors.wire import WireError
+    from rtop.analysis import AnalysisConfig
     from rtop.report import build_report, format_text, to_json
 
     try:
-        report = build_report(args.run)
+        thresholds = AnalysisConfig.load(args.thresholds)
+    except (OSError, ValueError) as exc:
+        print(f"rtop report: bad thresholds: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = build_report(args.run, thresholds)
     except FileNotFoundError:
         print(f"rtop report: no such file: {args.run}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from typing import Any
 
 from collectors import wire
 from collectors.schema import GPU_FIELDS, MEM_FIELDS, STEP_FIELDS
+from rtop.analysis import AnalysisConfig, Analyzer
 from rtop.hub.state import RankState, RunState
 from rtop.recording import ReadResult, replay
 
@@ -121,25 +122,42 @@ def _rank_entry(rs: RankState, acc: _Acc) -> dict[str, Any]:
     return entry
 
 
-def build_report(path: str | Path) -> dict[str, Any]:
-    """The report of a recording as a JSON-able dict (the contract's shape)."""
+EVAL_EVERY_S = 0.5  # recorded time between two evaluations of the diagnosis
+
+
+def build_report(path: str | Path, thresholds: AnalysisConfig | None = None
+                 ) -> dict[str, Any]:
+    """The report of a recording as a JSON-able dict (the contract's shape).
+
+    The diagnosis runs over the recording as it ran live (every half second of the
+    hub's time), so the findings are every finding that started during the run, worst
+    first, with when it started and whether it was still active at the end.
+    """
     accs: dict[int, _Acc] = defaultdict(_Acc)  # by id of RankState
+    analyzer = Analyzer(thresholds or AnalysisConfig.load())
+    next_eval = [0.0]
 
     def on_frame(t_hub: float, frame: wire.Frame, st: RunState) -> None:
         if frame.kind == wire.KIND_BATCH:
             rs = st.rank_state(frame.payload["rank"], frame.payload.get("group"))
             if rs is not None:
                 accs[id(rs)].add_batch(frame.payload)
+        if t_hub >= next_eval[0]:
+            next_eval[0] = t_hub + EVAL_EVERY_S
+            st.tick(t_hub)
+            analyzer.update(st, t_hub)
 
     res = ReadResult()
     state, res = replay(path, RunState(), on_frame=on_frame, result=res)
+    state.tick(state.now)
+    analyzer.update(state, state.now)
     attempts = []
     for att in state.attempts:
         ranks = [_rank_entry(rs, accs[id(rs)]) for rs in sorted(att.ranks.values(),
                                                                 key=lambda r: r.rank)]
         attempts.append({"attempt": att.number, "group": att.group, "job": att.job,
                          "world_size": att.world_size, "ranks": ranks})
-    findings = _findings(state)
+    findings = analyzer.all_episodes()
     current = attempts[-1]["ranks"] if attempts else []
     return {
         "run": {
@@ -156,15 +174,8 @@ def build_report(path: str | Path) -> dict[str, Any]:
         "ranks": current,
         "previous_attempts": attempts[:-1],
         "findings": findings,
+        "thresholds": analyzer.cfg.to_dict(),
     }
-
-
-def _findings(state: RunState) -> list[dict[str, Any]]:
-    try:
-        from rtop.analysis import analyze_run
-    except ImportError:
-        return []
-    return analyze_run(state)
 
 
 def _fmt(v: Any, scale: float = 1.0, digits: int = 1) -> str:
@@ -187,7 +198,9 @@ def format_text(report: dict[str, Any]) -> str:
         out.append("Findings")
         for f in findings:
             ranks = ", ".join(str(r) for r in f.get("ranks", [])[:8])
-            out.append(f"  [{f.get('severity', '?')}] {f['kind']} (ranks {ranks}): "
+            when = "still active at the end" if f.get("active") else \
+                f"for {f.get('duration_s', 0):.0f} s"
+            out.append(f"  [{f.get('severity', '?')}] {f['kind']} (ranks {ranks}; {when}): "
                        f"{f.get('summary', '')}")
             if f.get("fix"):
                 out.append(f"      fix: {f['fix']}")

@@ -14,6 +14,7 @@ import os
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -59,6 +60,8 @@ class WorkloadSpec:
     loader_workers: int = 0
     faults: Faults = field(default_factory=Faults)
     probe_settings: dict[str, Any] = field(default_factory=dict)
+    #: where each rank writes ``fault-rank<r>`` (its wall time) when its fault starts
+    fault_mark_dir: str | None = None
 
     def to_json(self) -> str:
         """The spec as JSON (to hand to Ray Train's config)."""
@@ -165,6 +168,8 @@ def train_loop(rank: int, spec: WorkloadSpec, model: Any, probe: Any) -> list[fl
         if i >= n:
             break
         faulty = i >= faults.start_step
+        if i == faults.start_step and spec.fault_mark_dir:
+            Path(spec.fault_mark_dir, f"fault-rank{rank}").write_text(repr(time.time()))
         if faulty and faults.die_at_step.get(rank) == i:
             os._exit(17)
         with step_ctx():
@@ -223,14 +228,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, spec: WorkloadSpec, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, spec: WorkloadSpec, port: int, out_dir: str,
+               master: str = "127.0.0.1", local_rank: int | None = None) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(spec.threads)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    os.environ.update({"MASTER_ADDR": master, "MASTER_PORT": str(port),
                        "RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
-                       "LOCAL_RANK": str(rank)})
+                       "LOCAL_RANK": str(rank if local_rank is None else local_rank)})
     dist.init_process_group("gloo", rank=rank, world_size=spec.world_size)
     probe = None
     if spec.instrument:
@@ -249,11 +255,18 @@ def _rank_main(rank: int, spec: WorkloadSpec, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def run_local(spec: WorkloadSpec, timeout_s: float | None = None) -> list[dict[str, Any]]:
+def run_local(spec: WorkloadSpec, timeout_s: float | None = None, check: bool = True,
+              stop: threading.Event | None = None, failure_grace_s: float = 5.0
+              ) -> list[dict[str, Any]]:
     """Run the job as ``world_size`` local processes; return each rank's results.
 
-    A rank that dies makes ``torch.multiprocessing`` raise; the caller decides.
+    Like a launcher: when a rank fails, the others get ``failure_grace_s`` to notice
+    (their collective errors out) and exit on their own before they are killed. With
+    ``check`` (the default) a failed rank or a job past ``timeout_s`` raises; without,
+    ranks without results get ``{}``. ``stop`` kills the job early.
     """
+    import multiprocessing.connection
+
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="rtop-job-") as out_dir:
@@ -261,14 +274,39 @@ def run_local(spec: WorkloadSpec, timeout_s: float | None = None) -> list[dict[s
             _rank_main, args=(spec, free_port(), out_dir), nprocs=spec.world_size,
             join=False, start_method="spawn",
         )
+        procs = ctx.processes
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not ctx.join(timeout=1.0):
-            if deadline is not None and time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                raise TimeoutError(f"workload did not finish within {timeout_s} s")
-        return [json.loads(Path(out_dir, f"rank{r}.json").read_text())
-                for r in range(spec.world_size)]
+        failed_at: float | None = None
+        timed_out = False
+        while True:
+            alive = [p for p in procs if p.is_alive()]
+            if not alive:
+                break
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now
+            if (failed_at is not None and now - failed_at > failure_grace_s) or (
+                    stop is not None and stop.is_set()):
+                break
+            if deadline is not None and now > deadline:
+                timed_out = True
+                break
+            multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.25)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if check and timed_out:
+            raise TimeoutError(f"workload did not finish within {timeout_s} s")
+        if check:
+            bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+            if bad:
+                raise RuntimeError(f"ranks failed (rank, exit code): {bad}")
+        out = []
+        for r in range(spec.world_size):
+            path = Path(out_dir, f"rank{r}.json")
+            out.append(json.loads(path.read_text()) if path.exists() else {})
+        return out
 
 
 def median_step_s(results: list[dict[str, Any]], skip: int = 5) -> float:
@@ -294,3 +332,24 @@ def ray_train_loop(config: dict[str, Any]) -> None:
     train_loop(rank, spec, model, probe)
     if probe is not None:
         probe.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one rank by hand (``python -m rtop.workload --rank R --master HOST:PORT``),
+    e.g. inside a network namespace that plays another node."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="one rank of rtop's demo workload")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--local-rank", type=int, default=0)
+    ap.add_argument("--master", required=True, help="host:port of rank 0's rendezvous")
+    ap.add_argument("--spec", required=True, help="WorkloadSpec as JSON")
+    ap.add_argument("--out", required=True, help="directory for the rank's results")
+    args = ap.parse_args(argv)
+    host, _, port = args.master.rpartition(":")
+    _rank_main(args.rank, WorkloadSpec.from_json(args.spec), int(port), args.out, host,
+               args.local_rank)
+
+
+if __name__ == "__main__":
+    main()

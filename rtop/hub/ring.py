@@ -65,13 +65,17 @@ class Rings:
         if self.count[slot] < self.window:
             self.count[slot] += 1
 
-    def last(self, slots: np.ndarray, k: int) -> np.ndarray:
+    def last(self, slots: np.ndarray, k: int, fields: list[str] | None = None) -> np.ndarray:
         """The last ``k`` rows of each of ``slots``: ``(len(slots), k, fields)``, oldest
-        first, NaN where a slot has fewer rows."""
+        first, NaN where a slot has fewer rows; only the named ``fields`` if given."""
         k = max(1, min(k, self.window))
         offsets = np.arange(-k, 0)
         idx = (self.pos[slots][:, None] + offsets[None, :]) % self.window
-        values: np.ndarray = self.data[slots[:, None], idx]
+        if fields is None:
+            values: np.ndarray = self.data[slots[:, None], idx]
+        else:
+            cols = np.array([self.index[f] for f in fields])
+            values = self.data[slots[:, None, None], idx[:, :, None], cols[None, None, :]]
         short = self.count[slots][:, None] < -offsets[None, :]
         if short.any():
             values[short] = np.nan

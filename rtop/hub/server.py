@@ -34,15 +34,17 @@ import resource
 import secrets
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from collectors import wire
 from rtop import __version__
 from rtop.hub.recorder import Recorder, default_record_path
 from rtop.hub.state import ProtocolError, RankState, RunState
+
+if TYPE_CHECKING:
+    from rtop.analysis import Analyzer
 
 log = logging.getLogger("rtop.hub")
 
@@ -187,7 +189,7 @@ class Hub:
     """One job's hub. ``await hub.start()``, then ``hub.address`` and ``hub.token``."""
 
     def __init__(self, config: HubConfig | None = None, state: RunState | None = None,
-                 analyze: Callable[[RunState], list[dict[str, Any]]] | None = None) -> None:
+                 analyzer: Analyzer | None = None) -> None:
         self.cfg = config or HubConfig()
         if not is_loopback(self.cfg.host) and self.cfg.token == "":
             raise ValueError("refusing to listen beyond loopback without a token")
@@ -196,7 +198,9 @@ class Hub:
         self.state = state or RunState(window_steps=self.cfg.window_steps,
                                        window_samples=self.cfg.window_samples,
                                        lost_after_s=self.cfg.lost_after_s)
-        self.analyze = analyze
+        self.analyzer = analyzer
+        self._findings: list[dict[str, Any]] = []
+        self._next_analysis = 0.0
         self.recorder: Recorder | None = None
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
@@ -310,6 +314,9 @@ class Hub:
             elif conn.role == "rank" and mono >= conn.next_ping:
                 self._ping(conn, now)
         lost = self.state.tick(now)
+        if self.analyzer is not None and mono >= self._next_analysis:
+            self._next_analysis = mono + 0.5
+            self._analyse(now)
         if lost:
             names = ", ".join(str(rs.rank) for rs in lost[:10])
             more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
@@ -319,6 +326,23 @@ class Hub:
             self.recorder.clock(now)
         if cfg.linger_s is not None:
             self._check_linger(mono, cfg.linger_s)
+
+    def _analyse(self, now: float) -> None:
+        """Run the diagnosis; log and record the findings that start or end."""
+        assert self.analyzer is not None
+        before = {k: ep.since for k, ep in self.analyzer.active.items()}
+        self._findings = self.analyzer.update(self.state, now)
+        after = self.analyzer.active
+        for f in self._findings:
+            if f["kind"] not in before:
+                log.warning("rtop: %s %s: %s", f["severity"], f["kind"], f["summary"])
+                if self.recorder is not None:
+                    self.recorder.frame("finding", {"event": "onset", **f}, now)
+        for kind in before:
+            if kind not in after:
+                log.info("rtop: %s cleared", kind)
+                if self.recorder is not None:
+                    self.recorder.frame("finding", {"event": "clear", "kind": kind}, now)
 
     def _check_linger(self, mono: float, linger: float) -> None:
         viewers = any(c.role == "viewer" for c in self._conns)
@@ -443,9 +467,8 @@ class Hub:
     def snapshot(self) -> dict[str, Any]:
         """The current snapshot, with findings when an analyzer is attached."""
         snap = self.state.snapshot()
-        t0 = time.perf_counter()
-        snap["findings"] = self.analyze(self.state) if self.analyze else []
-        snap["analysis_s"] = time.perf_counter() - t0
+        snap["findings"] = self._findings
+        snap["analysis_s"] = self.analyzer.last_eval_s if self.analyzer else None
         snap["hub"] = {"address": self.address, "counters": dict(self.counters),
                        "record": str(self.recorder.path) if self.recorder else None}
         return snap

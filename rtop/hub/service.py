@@ -16,19 +16,17 @@ from rtop.hub.server import Hub, HubConfig
 log = logging.getLogger("rtop.hub")
 
 
-def default_analyzer() -> Callable[[Any], list[dict[str, Any]]] | None:
-    """The diagnosis function, when the analysis package is present."""
-    try:
-        from rtop.analysis import analyze_state
-    except ImportError:
-        return None
-    fn: Callable[[Any], list[dict[str, Any]]] = analyze_state
-    return fn
+def default_analyzer(thresholds: str | None = None) -> Any:
+    """The diagnosis, with thresholds from ``RTOP_THRESHOLDS`` and an optional file."""
+    from rtop.analysis import AnalysisConfig, Analyzer
+
+    return Analyzer(AnalysisConfig.load(thresholds))
 
 
-async def serve(cfg: HubConfig, ready: Callable[[Hub], None] | None = None) -> None:
+async def serve(cfg: HubConfig, ready: Callable[[Hub], None] | None = None,
+                thresholds: str | None = None) -> None:
     """Run a hub until it is closed, a signal arrives, or it has lingered long enough."""
-    hub = Hub(cfg, analyze=default_analyzer())
+    hub = Hub(cfg, analyzer=default_analyzer(thresholds))
     await hub.start()
     if ready is not None:
         ready(hub)
@@ -50,11 +48,13 @@ class ThreadedHub:
 
     def __init__(self, job: str = "", record: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, token: str | None = None, linger_s: float | None = None,
-                 on_exit: Callable[[], None] | None = None, **settings: Any) -> None:
+                 on_exit: Callable[[], None] | None = None, thresholds: Any = None,
+                 **settings: Any) -> None:
         self.cfg = HubConfig(host=host, port=port, token=token, job=job,
                              record=record if record is not None else None,
                              linger_s=linger_s, **settings)
         self.job = job
+        self.thresholds = thresholds  # an AnalysisConfig, a JSON file path, or None
         self.hub: Hub | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
@@ -92,7 +92,11 @@ class ThreadedHub:
         self._loop = loop
 
         async def main() -> None:
-            self.hub = Hub(self.cfg, analyze=default_analyzer())
+            from rtop.analysis import AnalysisConfig, Analyzer
+
+            th = self.thresholds
+            analyzer = Analyzer(th) if isinstance(th, AnalysisConfig) else default_analyzer(th)
+            self.hub = Hub(self.cfg, analyzer=analyzer)
             try:
                 await self.hub.start()
             finally:

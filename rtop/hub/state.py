@@ -71,7 +71,10 @@ class RankState:
     identity: Identity
     attempt: int
     slot: int | None
-    status: str = "active"  # active | finished | lost | ended (a later attempt replaced it)
+    #: active | finished (closed the probe) | exited (interpreter exit without close) |
+    #: failed (an uncaught exception) | lost (silent or gone without a word) | ended (a
+    #: later attempt replaced it)
+    status: str = "active"
     first_seen: float = 0.0
     last_seen: float = 0.0
     connected: bool = True
@@ -91,6 +94,7 @@ class RankState:
     events: deque[list[Any]] = field(default_factory=lambda: deque(maxlen=64))
     collector: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, float | None] = field(default_factory=dict)  # once the window is freed
+    lost_at: float | None = None  # hub time it was marked lost
 
     @property
     def rank(self) -> int:
@@ -259,7 +263,11 @@ class RunState:
             return self.on_hello(p, t_hub)
         if kind == wire.KIND_BYE:
             rs = self._rank_of(p)
-            rs.status, rs.connected, rs.last_seen = "finished", False, t_hub
+            reason, error = p.get("reason"), p.get("error")
+            rs.status = "failed" if error else ("exited" if reason == "exit" else "finished")
+            rs.connected, rs.last_seen = False, t_hub
+            if isinstance(error, str):
+                rs.meta["error"] = error
             if isinstance(p.get("dropped"), int):
                 rs.dropped = p["dropped"]
             return rs
@@ -354,7 +362,7 @@ class RunState:
             rs.dropped = dropped
         rs.last_seen = t_hub
         if rs.status == "lost":
-            rs.status = "active"
+            rs.status, rs.lost_at = "active", None
         rs.connected = True
 
     def _samples(self, slot: int, gpu: list[list[Any]], host: list[list[Any]],
@@ -383,6 +391,7 @@ class RunState:
         rs.connected = False
         if rs.status == "active":
             rs.status = "lost"
+            rs.lost_at = t_hub
             rs.last_seen = min(rs.last_seen, t_hub)
 
     def tick(self, t_hub: float) -> list[RankState]:
@@ -392,6 +401,7 @@ class RunState:
         for rs in self.active_ranks():
             if rs.status == "active" and t_hub - rs.last_seen > self.lost_after_s:
                 rs.status = "lost"
+                rs.lost_at = rs.last_seen + self.lost_after_s
                 newly.append(rs)
         return newly
 

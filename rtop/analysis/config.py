@@ -1,0 +1,99 @@
+"""Every threshold the diagnosis uses, with its default and what it means.
+
+A finding starts when its condition holds at ``onset_evals`` evaluations in a row and
+ends when it has not held for ``clear_s`` seconds; while it is active its ranks are
+judged against the (lower) ``*_clear`` thresholds, so a figure hovering at the limit
+does not make a finding flap. Override any field with ``AnalysisConfig(**changes)``,
+from a JSON file (``rtop serve --thresholds FILE``, ``rtop report --thresholds FILE``)
+or ``RTOP_THRESHOLDS='{"straggler_ratio": 1.5}'``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+#: Expected allreduce bus bandwidth per fabric class, bytes/s. ``None``: not judged.
+DEFAULT_FABRIC_BUSBW: dict[str, float | None] = {
+    "nvlink": 300e9,  # NVLink 4 (H100/H200 SXM); NCCL reaches 350+ GB/s at 8 GPUs
+    "pcie": 20e9,  # PCIe Gen4/5 peer-to-peer without NVLink
+    "infiniband": 40e9,  # 400 Gb/s NDR per GPU, ~45 GB/s busbw in nccl-tests
+    "ethernet": 10e9,  # 100 GbE
+    "loopback": None,  # several CPU ranks on one host (gloo): nothing to compare with
+}
+
+
+@dataclass(frozen=True)
+class AnalysisConfig:
+    """Thresholds of the diagnosis (see the module doc for how they are applied)."""
+
+    # windows
+    recent_s: float = 2.0  # step figures are medians over the steps of the last recent_s
+    recent_min_steps: int = 3  # ... but over at least this many steps
+    recent_max_steps: int = 20  # ... and at most this many
+    onset_evals: int = 2  # consecutive evaluations (0.5 s apart live) before a finding starts
+    clear_s: float = 5.0  # a finding ends after its condition has not held this long
+    # starved_rank / input_bound
+    starved_ratio: float = 3.0  # data wait at least this many times the others' median
+    starved_min_wait_s: float = 0.005  # ... and at least this long
+    starved_min_share: float = 0.15  # ... and at least this share of the rank's step
+    starved_clear: float = 0.7  # active findings use thresholds times this
+    input_bound_share: float = 0.15  # every rank's data wait above this share of its step
+    input_bound_fraction: float = 0.75  # ... for at least this fraction of the ranks
+    # straggler
+    straggler_ratio: float = 1.3  # compute at least this many times the others' median
+    straggler_min_excess_s: float = 0.005  # ... and at least this much longer
+    straggler_min_share: float = 0.10  # ... and the excess at least this share of its step
+    straggler_clear: float = 0.8
+    # slow_link
+    fabric_busbw: dict[str, float | None] = field(
+        default_factory=lambda: dict(DEFAULT_FABRIC_BUSBW))
+    inter_node_fabric: str = "ethernet"  # the class assumed between nodes
+    slow_link_ratio: float = 0.5  # measured busbw below this share of the expected
+    slow_link_min_bytes: float = 1e6  # only judge steps that all-reduce at least this
+    # low_scaling_efficiency
+    efficiency_min: float = 0.6  # compute / (compute + exposed comm) below this
+    # memory_wall
+    headroom_min: float = 0.10  # free memory below this share of capacity
+    oom_horizon_steps: float = 20000.0  # memory growth that fills the device within this
+    mem_trend_samples: int = 20  # samples (about 1 s apart) the growth is fitted on
+    mem_trend_min_growth: float = 0.02  # growth over the fit at least this share of capacity
+    mem_trend_min_r2: float = 0.8  # ... and this straight
+    # gpu_throttled
+    throttle_clock_ratio: float = 0.9  # SM clock below this share of its max, with a reason
+    # hung_rank
+    hung_min_s: float = 30.0  # a phase longer than the larger of this ...
+    hung_step_multiple: float = 10.0  # ... and this many median steps
+    # checkpoint_interval (Young/Daly)
+    gpu_mtbf_h: float = 50000.0  # mean time between failures of one GPU (and its share of node)
+    checkpoint_tolerance: float = 2.0  # interval off the optimum by more than this factor
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> AnalysisConfig:
+        """Defaults, then ``RTOP_THRESHOLDS`` (JSON), then a JSON file, then overrides."""
+        changes: dict[str, Any] = {}
+        if os.environ.get("RTOP_THRESHOLDS"):
+            changes.update(json.loads(os.environ["RTOP_THRESHOLDS"]))
+        if path:
+            changes.update(json.loads(Path(path).read_text()))
+        changes.update(overrides)
+        return cls().with_changes(**changes)
+
+    def with_changes(self, **changes: Any) -> AnalysisConfig:
+        """A copy with some thresholds changed; unknown names are an error."""
+        known = {f.name for f in fields(self)}
+        unknown = set(changes) - known
+        if unknown:
+            raise ValueError(f"unknown threshold(s): {', '.join(sorted(unknown))}")
+        if "fabric_busbw" in changes:
+            merged = dict(self.fabric_busbw)
+            merged.update(changes["fabric_busbw"])
+            changes["fabric_busbw"] = merged
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """All thresholds, for the report's record of how it judged."""
+        return asdict(self)

@@ -1,0 +1,138 @@
+"""Running the detectors over time: onset and clear, so findings do not flap.
+
+:class:`Analyzer` is fed the run state at regular times (twice a second in the hub,
+every half second of recorded time in a report). A finding starts after its condition
+held ``onset_evals`` times in a row and ends ``clear_s`` after it last held. Its
+``episodes`` are what a report lists: every finding that ever started, when, for how
+long, on which ranks, with its worst evidence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rtop.analysis import detectors as d
+from rtop.analysis.config import AnalysisConfig
+from rtop.analysis.window import take
+from rtop.hub.state import RunState
+
+#: Kinds that blame particular ranks (as opposed to the job as a whole).
+RANK_FAULTS = ("starved_rank", "straggler", "hung_rank", "lost_rank", "gpu_throttled",
+               "memory_wall")
+ALL_KINDS = ("starved_rank", "input_bound", "straggler", "slow_link",
+             "low_scaling_efficiency", "memory_wall", "gpu_throttled", "hung_rank",
+             "lost_rank", "checkpoint_interval")
+
+
+def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] | None = None,
+             now: float | None = None) -> list[d.Finding]:
+    """Every finding whose condition holds now (no onset/clear)."""
+    w = take(state, cfg, now)
+    if w.n == 0:
+        return []
+    ctx = d.Context(w, cfg, active or {})
+    out: list[d.Finding] = []
+    for fn in (d.lost_rank, d.hung_rank):  # these exclude ranks from the comparisons
+        f = fn(ctx)
+        if f is not None:
+            out.append(f)
+    if not ctx.excluded:
+        # with a rank hung or gone the others wait in the collective: their step and
+        # collective figures say nothing about data, compute or the fabric
+        inputs = d.input_findings(ctx)
+        out += inputs
+        starved = {r for f in inputs if f.kind == "starved_rank" for r in f.ranks}
+        link = d.slow_link(ctx)
+        # a slow link explains low efficiency: one finding, the efficiency in its evidence
+        efficiency = d.low_scaling_efficiency(ctx, always=link is not None)
+        if link is not None and efficiency is not None:
+            link.evidence["scaling"] = efficiency.evidence
+            efficiency = None
+        for f1 in (d.straggler(ctx, starved), link, efficiency):
+            if f1 is not None:
+                out.append(f1)
+    for f2 in (d.gpu_throttled(ctx), d.memory_wall(ctx), d.checkpoint_interval(ctx)):
+        if f2 is not None:
+            out.append(f2)
+    return out
+
+
+def order(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Worst first: by severity, then by how much of the step time it costs."""
+    return sorted(findings, key=lambda f: (-d.SEVERITY_ORDER.get(f["severity"], 0),
+                                           -float(f.get("impact") or 0.0), f["kind"]))
+
+
+@dataclass
+class Episode:
+    """One finding from its start to its end (or now)."""
+
+    kind: str
+    since: float
+    last: float
+    finding: dict[str, Any]
+    ranks: set[int] = field(default_factory=set)
+    worst: str = "info"
+    ended: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The episode as the report lists it."""
+        out = dict(self.finding)
+        out.update({"ranks": sorted(self.ranks), "severity": self.worst,
+                    "since": self.since, "until": self.ended if self.ended else self.last,
+                    "duration_s": round((self.ended or self.last) - self.since, 3),
+                    "active": self.ended is None})
+        return out
+
+
+class Analyzer:
+    """Onset/clear tracking over repeated evaluations (see module doc)."""
+
+    def __init__(self, cfg: AnalysisConfig | None = None) -> None:
+        self.cfg = cfg or AnalysisConfig.load()
+        self._streak: dict[str, tuple[int, float]] = {}  # kind -> (count, first time)
+        self.active: dict[str, Episode] = {}
+        self.episodes: list[Episode] = []
+        self.last_eval_s = 0.0
+        self.onsets: list[tuple[float, dict[str, Any]]] = []  # (time, finding), newest last
+
+    def update(self, state: RunState, now: float | None = None) -> list[dict[str, Any]]:
+        """Evaluate once; return the active findings, worst first."""
+        t = state.now if now is None else now
+        t0 = time.perf_counter()
+        found = evaluate(state, self.cfg, {k: ep.ranks for k, ep in self.active.items()}, t)
+        self.last_eval_s = time.perf_counter() - t0
+        seen = set()
+        for f in found:
+            seen.add(f.kind)
+            count, first = self._streak.get(f.kind, (0, t))
+            self._streak[f.kind] = (count + 1, first)
+            ep = self.active.get(f.kind)
+            if ep is not None:
+                ep.last, ep.finding = t, f.to_dict()
+                ep.ranks = set(f.ranks)
+                if d.SEVERITY_ORDER[f.severity] > d.SEVERITY_ORDER[ep.worst]:
+                    ep.worst = f.severity
+            elif count + 1 >= self.cfg.onset_evals:
+                ep = Episode(f.kind, first, t, f.to_dict(), set(f.ranks), f.severity)
+                self.active[f.kind] = ep
+                self.episodes.append(ep)
+                self.onsets.append((t, ep.to_dict()))
+        for kind in list(self._streak):
+            if kind not in seen:
+                del self._streak[kind]
+        for kind, ep in list(self.active.items()):
+            if kind not in seen and t - ep.last > self.cfg.clear_s:
+                ep.ended = t
+                del self.active[kind]
+        return self.current()
+
+    def current(self) -> list[dict[str, Any]]:
+        """The active findings, worst first."""
+        return order([ep.to_dict() for ep in self.active.values()])
+
+    def all_episodes(self) -> list[dict[str, Any]]:
+        """Every finding that ever started, worst first (active ones before ended)."""
+        return order([ep.to_dict() for ep in self.episodes])

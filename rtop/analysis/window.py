@@ -1,0 +1,181 @@
+"""The analysis' view of the run: one array per figure, one entry per rank.
+
+:func:`take` reads a :class:`~rtop.hub.state.RunState` once and returns a
+:class:`Window` of plain numpy arrays, so the detectors are pure functions of numbers
+and cost little even at thousands of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from collectors.schema import GPU_FIELDS, MEM_FIELDS
+from rtop.analysis.config import AnalysisConfig
+from rtop.hub.ring import nanmedian_rows
+from rtop.hub.state import LATEST, RankState, RunState
+
+_LATEST = {f: i for i, f in enumerate(LATEST)}
+MIN_TREND_SAMPLES = 10  # about ten seconds of memory samples before judging a trend
+_STEP_FIGURES = ("step_s", "data_wait_s", "compute_s", "comm_s", "comm_exposed_s",
+                 "comm_bytes", "busbw_Bps")
+
+
+@dataclass
+class Window:
+    """Per-rank arrays (index ``i`` is ``ranks[i]``), NaN where not measured."""
+
+    t: float
+    ranks: list[RankState]
+    rank: np.ndarray
+    node: list[str]
+    node_of: np.ndarray  # node index per rank
+    status: list[str]
+    active: np.ndarray  # status == "active"
+    world_size: int
+    steps: dict[str, np.ndarray]  # recent medians: step_s, data_wait_s, ...
+    n_recent: np.ndarray  # steps the medians are taken over
+    step_rate: np.ndarray  # steps per second, recent
+    latest: dict[str, np.ndarray]  # latest samples: gpu_util_pct, mem_peak_bytes, ...
+    phase: list[str | None]
+    phase_age_s: np.ndarray  # how long the current phase has lasted, now
+    mem_slope: np.ndarray  # bytes per second the device's used memory grows, fitted
+    mem_growth: np.ndarray  # growth over the fit, bytes
+    mem_r2: np.ndarray  # straightness of the fit
+    gpu_name: list[str | None]
+    nvlink: np.ndarray  # active NVLink links per rank's GPU (0 when none, NaN unknown)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        """Number of ranks."""
+        return len(self.ranks)
+
+    def others_median(self, values: np.ndarray) -> np.ndarray:
+        """For each rank, the median of the *other* ranks' values (NaN-aware).
+
+        With two ranks the median of all would be half the culprit's own figure, which
+        hides it; the others' median does not.
+        """
+        n = len(values)
+        if n < 2:
+            return np.full(n, np.nan)
+        if np.isnan(values).all():
+            return np.full(n, np.nan)
+        if n > 64:  # leaving one of many out barely moves the median
+            return np.full(n, float(np.nanmedian(values)))
+        out = np.empty(n)
+        for i in range(n):
+            rest = np.delete(values, i)
+            out[i] = np.nan if np.isnan(rest).all() else float(np.nanmedian(rest))
+        return out
+
+
+def _recent_medians(state: RunState, slots: np.ndarray, cfg: AnalysisConfig
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Medians over each rank's steps of the last ``recent_s`` seconds (at least
+    ``recent_min_steps``, at most ``recent_max_steps``), their count and step rate."""
+    rings = state.steps
+    k = cfg.recent_max_steps
+    names = ["t_wall", *_STEP_FIGURES]
+    last = rings.last(slots, k, names)  # (n, k, f) float32
+    t = last[:, :, 0].astype(np.float64)
+    newest = np.nanmax(np.where(np.isnan(t), -np.inf, t), axis=1)
+    old = t < (newest[:, None] - cfg.recent_s)
+    keep_always = np.zeros(k, dtype=bool)
+    keep_always[-cfg.recent_min_steps:] = True
+    drop = old & ~keep_always[None, :]
+    last[drop] = np.nan
+    med = nanmedian_rows(last)
+    valid = ~np.isnan(last[:, :, 1])
+    count = valid.sum(axis=1)
+    span = np.nanmax(np.where(valid, t, -np.inf), axis=1) - np.nanmin(
+        np.where(valid, t, np.inf), axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rate = np.where((count > 1) & (span > 0), (count - 1) / span, np.nan)
+    return med, count, rate
+
+
+def _mem_trend(state: RunState, slots: np.ndarray, n_samples: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Least-squares growth of device memory used over the last samples, per rank."""
+    last = state.samples.last(slots, n_samples, ["t_wall", "mem_used_bytes"]
+                              ).astype(np.float64)
+    t, y = last[:, :, 0], last[:, :, 1]
+    ok = ~(np.isnan(t) | np.isnan(y))
+    cnt = ok.sum(axis=1)
+    tt = np.where(ok, t, 0.0)
+    yy = np.where(ok, y, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tm = tt.sum(axis=1) / cnt
+        ym = yy.sum(axis=1) / cnt
+        dt = np.where(ok, t - tm[:, None], 0.0)
+        dy = np.where(ok, y - ym[:, None], 0.0)
+        sxx = (dt * dt).sum(axis=1)
+        sxy = (dt * dy).sum(axis=1)
+        syy = (dy * dy).sum(axis=1)
+        slope = sxy / sxx
+        r2 = (sxy * sxy) / (sxx * syy)
+        span = np.where(ok, t, -np.inf).max(axis=1) - np.where(ok, t, np.inf).min(axis=1)
+        # sustained growth, not a warm-up: the newer half must grow at least half as fast
+        half = n_samples // 2
+        tn, yn, okn = t[:, half:], y[:, half:], ok[:, half:]
+        cn = okn.sum(axis=1)
+        tmn = np.where(okn, tn, 0.0).sum(axis=1) / cn
+        ymn = np.where(okn, yn, 0.0).sum(axis=1) / cn
+        dtn = np.where(okn, tn - tmn[:, None], 0.0)
+        dyn = np.where(okn, yn - ymn[:, None], 0.0)
+        slope_new = (dtn * dyn).sum(axis=1) / (dtn * dtn).sum(axis=1)
+    bad = (cnt < MIN_TREND_SAMPLES) | ~(slope_new >= 0.5 * slope)
+    slope[bad] = np.nan
+    r2[bad] = np.nan
+    return slope, slope * span, r2
+
+
+def take(state: RunState, cfg: AnalysisConfig, now: float | None = None) -> Window:
+    """Read the current attempt's ranks out of the run state."""
+    t = state.now if now is None else now
+    ranks = sorted(state.active_ranks(), key=lambda r: r.rank)
+    n = len(ranks)
+    slots = np.array([r.slot if r.slot is not None else 0 for r in ranks], dtype=np.int64)
+    names: dict[str, int] = {}
+    node_of = np.array([names.setdefault(r.node, len(names)) for r in ranks], dtype=np.int64)
+    if n:
+        med, count, rate = _recent_medians(state, slots, cfg)
+        latest = state.latest[slots]
+        slope, growth, r2 = _mem_trend(state, slots, cfg.mem_trend_samples)
+    else:
+        med = np.empty((0, len(_STEP_FIGURES) + 1))
+        count = rate = slope = growth = r2 = np.empty(0)
+        latest = np.empty((0, len(LATEST)))
+    gone = np.array([r.slot is None for r in ranks], dtype=bool)
+    if gone.any():
+        med[gone] = np.nan
+        latest[gone] = np.nan
+    steps = {f: med[:, j + 1] for j, f in enumerate(_STEP_FIGURES)}
+    lat = {f: latest[:, i] for f, i in _LATEST.items()}
+    # how long each rank has been in its phase: as of its last heartbeat, plus since then
+    last_seen = np.array([r.last_seen for r in ranks])
+    phase_age = (latest[:, _LATEST["phase_s"]] if n else np.empty(0)) + np.maximum(
+        0.0, t - last_seen)
+    dev = [r.meta.get("device") if isinstance(r.meta.get("device"), dict) else None
+           for r in ranks]
+    att = state.current
+    return Window(
+        t=t, ranks=ranks, rank=np.array([r.rank for r in ranks], dtype=np.int64),
+        node=list(names), node_of=node_of, status=[r.status for r in ranks],
+        active=np.array([r.status == "active" for r in ranks], dtype=bool),
+        world_size=att.world_size if att else 0, steps=steps, n_recent=count,
+        step_rate=rate, latest=lat, phase=[r.phase for r in ranks], phase_age_s=phase_age,
+        mem_slope=slope, mem_growth=growth, mem_r2=r2,
+        gpu_name=[d.get("name") if d else None for d in dev],
+        nvlink=np.array([float(d["nvlink_links"]) if d and isinstance(
+            d.get("nvlink_links"), (int, float)) else np.nan for d in dev]),
+    )
+
+
+#: Names of the latest-sample arrays, for the detectors.
+GPU = {f: f"gpu_{f}" for f in GPU_FIELDS[1:]}
+MEM = {f: f"mem_{f}" for f in MEM_FIELDS[2:]}

@@ -1,0 +1,254 @@
+"""The detectors as pure functions of run state, fed realistic frames (GPU figures shaped
+like NVML's on an H200) — for what a CPU job cannot show: clocks, power, GPU models."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from collectors import wire
+from collectors.schema import GPU_FIELDS, MEM_FIELDS, STEP_FIELDS
+from rtop.analysis import AnalysisConfig, Analyzer, evaluate
+from rtop.analysis.window import take
+from rtop.hub.state import RunState
+from tests.rankclient import gpu_row, hb_row, identity
+
+NOW = 1_800_000_000.0
+
+
+def steps(rank_figures: dict[int, dict[str, float]], n: int = 20, t0: float = NOW,
+          step_s: float = 0.1) -> dict[int, list[list]]:
+    out = {}
+    for rank, fig in rank_figures.items():
+        rows = []
+        for k in range(n):
+            row = dict.fromkeys(STEP_FIELDS)
+            row.update(step=k, t_wall=t0 + k * step_s, step_s=step_s, data_wait_s=0.001,
+                       compute_s=0.07, comm_s=0.02, comm_exposed_s=0.01, comm_bytes=400e6,
+                       comm_calls=16, busbw_Bps=30e9, samples=32, gap_s=0.0)
+            row.update(fig)
+            rows.append([row[f] for f in STEP_FIELDS])
+        out[rank] = rows
+    return out
+
+
+def state_with(rank_steps: dict[int, list[list]], gpus: dict[int, list] | None = None,
+               mems: dict[int, list[list]] | None = None, world: int | None = None,
+               nodes: dict[int, str] | None = None, device: dict | None = None,
+               hbs: dict[int, list] | None = None) -> RunState:
+    st = RunState()
+    world = world or len(rank_steps)
+    t = NOW
+    for rank in rank_steps:
+        ident = identity(rank, world=world, host=(nodes or {}).get(rank, "node-a"))
+        st.apply(wire.Frame("hello", {"identity": ident}), t)
+    for rank, rows in rank_steps.items():
+        batch = {"rank": rank, "group": "g0", "steps": rows}
+        if gpus and rank in gpus:
+            batch["gpu"] = [gpus[rank]]
+        if mems and rank in mems:
+            batch["mem"] = mems[rank]
+        if hbs and rank in hbs:
+            batch["hb"] = [hbs[rank]]
+        if device:
+            batch["meta"] = {"device": device.get(rank, device.get("all"))}
+        st.apply(wire.Frame("batch", batch), t + 2.0)
+    st.now = t + 2.0
+    return st
+
+
+def kinds(findings):
+    return {f.kind: f for f in findings}
+
+
+def test_others_median_does_not_hide_the_culprit_with_two_ranks():
+    st = state_with(steps({0: {"compute_s": 0.05}, 1: {"compute_s": 0.10}}))
+    w = take(st, AnalysisConfig())
+    assert list(w.others_median(w.steps["compute_s"])) == pytest.approx([0.10, 0.05])
+    found = kinds(evaluate(st, AnalysisConfig()))
+    assert found["straggler"].ranks == [1]  # the median of both (0.075) would hide it
+
+
+def test_straggler_blamed_on_throttled_clocks():
+    fig = {r: {} for r in range(4)}
+    fig[2] = {"compute_s": 0.14, "comm_s": 0.005}
+    for r in (0, 1, 3):
+        fig[r] = {"comm_s": 0.07}
+    slow = gpu_row()
+    slow[GPU_FIELDS.index("sm_clock_mhz")] = 1200
+    slow[GPU_FIELDS.index("clock_event_reasons")] = 0x4 | 0x20  # sw power cap, sw thermal
+    slow[GPU_FIELDS.index("power_w")] = 699.0
+    gpus = {0: gpu_row(), 1: gpu_row(), 2: slow, 3: gpu_row()}
+    found = kinds(evaluate(state_with(steps(fig), gpus), AnalysisConfig()))
+    assert set(found) == {"straggler", "gpu_throttled"}
+    s = found["straggler"]
+    assert s.ranks == [2]
+    assert "1200 of 1980 MHz" in s.evidence["cause"]
+    assert "sw_power_cap" in s.evidence["cause"] and "power cap" in s.evidence["cause"]
+    g = found["gpu_throttled"]
+    assert g.ranks == [2] and g.evidence["ranks"]["2"]["reasons"] == ["sw_power_cap",
+                                                                     "sw_thermal_slowdown"]
+
+
+def test_straggler_blamed_on_a_different_gpu_model():
+    fig = {r: {"comm_s": 0.07} for r in range(4)}
+    fig[1] = {"compute_s": 0.13, "comm_s": 0.005}
+    dev = {"all": {"name": "NVIDIA H200", "nvlink_links": 18},
+           1: {"name": "NVIDIA H100 80GB HBM3", "nvlink_links": 18}}
+    found = kinds(evaluate(state_with(steps(fig), device=dev), AnalysisConfig()))
+    assert found["straggler"].ranks == [1]
+    assert "different GPU (NVIDIA H100 80GB HBM3, the others NVIDIA H200)" in \
+        found["straggler"].evidence["cause"]
+
+
+def test_idle_gpu_clocks_are_not_throttling():
+    idle = gpu_row(util=0)
+    idle[GPU_FIELDS.index("sm_clock_mhz")] = 345
+    idle[GPU_FIELDS.index("clock_event_reasons")] = 0x1  # gpu idle
+    found = kinds(evaluate(state_with(steps({0: {}, 1: {}}), {0: idle, 1: gpu_row()}),
+                           AnalysisConfig()))
+    assert "gpu_throttled" not in found
+
+
+def test_slow_link_judged_against_the_fabric_class():
+    fig = {r: {"busbw_Bps": 4e9} for r in range(4)}  # far below NVLink's 300 GB/s
+    dev = {"all": {"name": "NVIDIA H200", "nvlink_links": 18}}
+    found = kinds(evaluate(state_with(steps(fig), device=dev), AnalysisConfig()))
+    assert found["slow_link"].evidence["fabric"] == "nvlink"
+    assert found["slow_link"].ranks == [0, 1, 2, 3]
+    # the same figure between nodes over 100 GbE (10 GB/s expected) is not slow
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
+    found = kinds(evaluate(state_with(steps({r: {"busbw_Bps": 8e9} for r in range(4)}),
+                                      nodes=nodes, device=dev), AnalysisConfig()))
+    assert "slow_link" not in found
+    # a slow rank's peers show low busbw (they wait); the last to arrive shows the link
+    fig = {0: {"busbw_Bps": 320e9}, 1: {"busbw_Bps": 20e9}, 2: {"busbw_Bps": 20e9}}
+    found = kinds(evaluate(state_with(steps(fig), device=dev), AnalysisConfig()))
+    assert "slow_link" not in found
+
+
+def test_scaling_what_if_follows_the_ring_formula():
+    fig = {r: {"compute_s": 0.05, "comm_s": 0.06, "comm_exposed_s": 0.05,
+               "comm_bytes": 1e9, "busbw_Bps": 25e9} for r in range(8)}
+    found = kinds(evaluate(state_with(steps(fig), nodes={r: f"n{r // 4}" for r in range(8)}),
+                           AnalysisConfig(inter_node_fabric="infiniband")))
+    eff = found["low_scaling_efficiency"]
+    assert eff.evidence["efficiency"] == pytest.approx(0.5)
+    table = {row["ranks"]: row for row in eff.evidence["what_if"]}
+    assert set(table) == {8, 16, 32}
+    assert table[16]["comm_s"] == pytest.approx(2 * 15 / 16 * 1e9 / 25e9, rel=1e-3)
+    assert table[32]["efficiency"] < table[16]["efficiency"] < table[8]["efficiency"]
+
+
+def test_memory_wall_headroom_and_breakdown():
+    cap = 141e9
+    mem = dict.fromkeys(MEM_FIELDS)
+    mem.update(t_wall=NOW, device="cuda:0", used_bytes=120e9, reserved_bytes=134e9,
+               peak_bytes=134e9, capacity_bytes=cap, param_bytes=16e9, grad_bytes=16e9,
+               optim_bytes=64e9)
+    row = [mem[f] for f in MEM_FIELDS]
+    healthy = list(row)
+    healthy[MEM_FIELDS.index("peak_bytes")] = 90e9
+    found = kinds(evaluate(state_with(steps({0: {}, 1: {}}), mems={0: [healthy], 1: [row]}),
+                           AnalysisConfig()))
+    f = found["memory_wall"]
+    assert f.ranks == [1]
+    ev = f.evidence["ranks"]["1"]
+    assert ev["headroom_bytes"] == pytest.approx(7e9)
+    assert ev["activations_and_other_bytes"] == pytest.approx(134e9 - 96e9)
+    assert "7 GB of 141 GB" in f.summary
+
+
+def test_memory_creep_projects_steps_to_oom():
+    cap = 80e9
+    st = state_with(steps({0: {}}, n=1), world=1)
+    rows = []
+    for k in range(30):  # 0.5 GB more every second, 5 steps a second
+        mem = dict.fromkeys(MEM_FIELDS)
+        mem.update(t_wall=NOW + k, device="cuda:0", used_bytes=40e9 + 0.5e9 * k,
+                   peak_bytes=40e9 + 0.5e9 * k, capacity_bytes=cap, param_bytes=1e9,
+                   grad_bytes=1e9, optim_bytes=2e9)
+        rows.append([mem[f] for f in MEM_FIELDS])
+    st.apply(wire.Frame("batch", {"rank": 0, "group": "g0", "mem": rows,
+                                  "steps": steps({0: {}}, n=20, step_s=0.2)[0]}), NOW + 30)
+    found = kinds(evaluate(st, AnalysisConfig()))
+    ev = found["memory_wall"].evidence["ranks"]["0"]
+    # (80 - 54.5) GB left at 0.5 GB/s = 51 s, at 5 steps/s = 255 steps
+    assert ev["steps_to_oom"] == pytest.approx(255, rel=0.05)
+
+
+def test_hung_rank_is_the_one_not_waiting_in_the_collective():
+    fig = {r: {} for r in range(3)}
+    hbs = {0: hb_row("comm", 40.0), 1: hb_row("compute", 41.0), 2: hb_row("comm", 40.0)}
+    found = kinds(evaluate(state_with(steps(fig), hbs=hbs), AnalysisConfig()))
+    assert set(found) == {"hung_rank"}
+    assert found["hung_rank"].ranks == [1]
+    assert found["hung_rank"].evidence["peers_waiting_in_collective"] == [0, 2]
+    # everyone in the same long non-collective phase (an evaluation pass) is no hang
+    hbs = {r: hb_row("idle", 60.0) for r in range(3)}
+    assert evaluate(state_with(steps(fig), hbs=hbs), AnalysisConfig()) == []
+
+
+def test_checkpoint_interval_young_daly():
+    st = state_with(steps({0: {}, 1: {}}))
+    for rank in (0, 1):
+        st.rank_state(rank).events.extend(
+            [[NOW + 600 * k, "checkpoint", 20.0, 100 * k] for k in range(4)])
+    found = kinds(evaluate(st, AnalysisConfig(gpu_mtbf_h=50000)))
+    ev = found["checkpoint_interval"].evidence
+    mtbf = 50000 * 3600 / 2
+    assert ev["optimal_interval_s"] == pytest.approx(math.sqrt(2 * 20 * mtbf), rel=1e-3)
+    assert "too often" in found["checkpoint_interval"].summary
+    # at 16,384 GPUs the same cadence is about right: no finding
+    st2 = state_with(steps({0: {}, 1: {}}), world=16384)
+    for rank in (0, 1):
+        st2.rank_state(rank).events.extend(
+            [[NOW + 600 * k, "checkpoint", 20.0, 100 * k] for k in range(4)])
+    assert "checkpoint_interval" not in kinds(evaluate(st2, AnalysisConfig()))
+
+
+def test_onset_and_clear_do_not_flap():
+    cfg = AnalysisConfig(onset_evals=2, clear_s=5.0)
+    analyzer = Analyzer(cfg)
+    starved = steps({0: {"data_wait_s": 0.04}, 1: {}, 2: {}})
+    healthy = steps({0: {}, 1: {}, 2: {}})
+    # 12% of the step: under the onset threshold (15%), above the clear one (0.7 x 15%)
+    between = steps({0: {"data_wait_s": 0.012}, 1: {}, 2: {}})
+    assert evaluate(state_with(between), cfg) == []
+    assert [f.kind for f in evaluate(state_with(between), cfg, {"starved_rank": {0}})] == \
+        ["starved_rank"]
+    t = NOW
+    assert analyzer.update(state_with(starved), t) == []  # one evaluation: not yet
+    assert [f["kind"] for f in analyzer.update(state_with(starved), t + 0.5)] == ["starved_rank"]
+    assert [f["kind"] for f in analyzer.update(state_with(between), t + 1.0)] == \
+        ["starved_rank"]  # kept by the lower clear threshold
+    assert analyzer.update(state_with(healthy), t + 3.0)  # not yet cleared
+    assert analyzer.update(state_with(healthy), t + 7.0) == []
+    [episode] = analyzer.all_episodes()
+    assert episode["since"] == t and not episode["active"]
+
+
+def test_thresholds_are_configurable_and_checked(tmp_path, monkeypatch):
+    path = tmp_path / "th.json"
+    path.write_text('{"straggler_ratio": 2.0, "fabric_busbw": {"ethernet": 1e9}}')
+    monkeypatch.setenv("RTOP_THRESHOLDS", '{"hung_min_s": 12}')
+    cfg = AnalysisConfig.load(path)
+    assert cfg.straggler_ratio == 2.0 and cfg.hung_min_s == 12
+    assert cfg.fabric_busbw["ethernet"] == 1e9 and cfg.fabric_busbw["nvlink"] == 300e9
+    with pytest.raises(ValueError, match="unknown threshold"):
+        AnalysisConfig().with_changes(straggler=3)
+
+
+def test_analysis_of_4096_ranks_is_fast():
+    rng = np.random.default_rng(0)
+    fig = {r: {"compute_s": float(0.07 + rng.normal(0, 0.001))} for r in range(4096)}
+    st = state_with(steps(fig), world=4096, nodes={r: f"node-{r // 8}" for r in range(4096)})
+    evaluate(st, AnalysisConfig())
+    t0 = time.perf_counter()
+    for _ in range(3):
+        evaluate(st, AnalysisConfig())
+    took = (time.perf_counter() - t0) / 3
+    assert took < 0.5, f"{took * 1e3:.0f} ms"  # a generous bound; the benchmark measures

@@ -1,0 +1,111 @@
+"""slow_link on a real two-"node" network: two network namespaces joined by a veth pair,
+one rank in each, the link throttled with tbf in the middle of the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rtop.analysis import AnalysisConfig
+from rtop.report import build_report
+from rtop.workload import WorkloadSpec
+
+NS = ("rtop-node-a", "rtop-node-b")
+DEV = ("rtva", "rtvb")
+IP = ("10.77.0.1", "10.77.0.2")
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def teardown() -> None:
+    for ns in NS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture
+def two_nodes():
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        pytest.skip("needs root, ip and tc to build network namespaces")
+    teardown()
+    try:
+        for ns in NS:
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "link", "add", DEV[0], "type", "veth", "peer", "name", DEV[1])
+        for ns, dev, ip in zip(NS, DEV, IP, strict=True):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+    except subprocess.CalledProcessError as exc:
+        teardown()
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.strip()}")
+    yield
+    teardown()
+
+
+def in_ns(ns: str, *cmd: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=env, **kw)
+
+
+def test_throttled_inter_node_link_is_a_slow_link(two_nodes, tmp_path):
+    thresholds = tmp_path / "thresholds.json"
+    # the veth link carries this job's 1.3 MB allreduce at a few hundred MB/s; call
+    # anything under half of 100 MB/s slow
+    thresholds.write_text(json.dumps({"fabric_busbw": {"ethernet": 100e6}}))
+    record, disc = tmp_path / "run.rtop", tmp_path / "hub.json"
+    hub = in_ns(NS[0], sys.executable, "-m", "rtop", "serve", "--host", IP[0], "--port", "7790",
+                "--token", "link-token", "--record", str(record), "--discovery-file",
+                str(disc), "--thresholds", str(thresholds),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not disc.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert disc.exists(), "the hub did not start in its namespace"
+        # compute well above the unthrottled allreduce: the healthy part is efficient
+        spec = WorkloadSpec(world_size=2, duration_s=24.0, batch=768, dim=128, hidden=512,
+                            layers=2, hub=f"{IP[0]}:7790", token="link-token")
+        out = tmp_path / "out"
+        out.mkdir()
+        ranks = []
+        for rank, (ns, dev) in enumerate(zip(NS, DEV, strict=True)):
+            env = {**os.environ, "RTOP_NODE": f"node-{'ab'[rank]}", "GLOO_SOCKET_IFNAME": dev,
+                   "RTOP_AUTOHUB": "0"}
+            ranks.append(in_ns(ns, sys.executable, "-m", "rtop.workload", "--rank", str(rank),
+                               "--master", f"{IP[0]}:29611", "--spec", spec.to_json(),
+                               "--out", str(out), env=env))
+        time.sleep(14)  # spawn, rendezvous and ~8 s of healthy training
+        throttled_at = time.time()
+        for ns, dev in zip(NS, DEV, strict=True):
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+               "rate", "80mbit", "burst", "32kbit", "latency", "100ms")
+        for proc in ranks:
+            assert proc.wait(timeout=120) == 0
+    finally:
+        hub.send_signal(signal.SIGINT)
+        try:
+            hub.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            hub.kill()
+    report = build_report(record, AnalysisConfig.load(thresholds))
+    assert sorted(r["node"] for r in report["ranks"]) == ["node-a", "node-b"]
+    kinds = [(f["kind"], f["ranks"]) for f in report["findings"]]
+    assert kinds == [("slow_link", [0, 1])], report["findings"]
+    link = report["findings"][0]
+    assert link["since"] > throttled_at, "slow_link before the link was throttled"
+    assert link["since"] - throttled_at < 10.0
+    ev = link["evidence"]
+    assert ev["fabric"] == "ethernet" and ev["nodes"] == ["node-a", "node-b"]
+    assert ev["busbw_best_Bps"] < 0.5 * ev["expected_busbw_Bps"]
+    assert "scaling" in ev  # the efficiency it costs, folded in
+    Path(record).unlink()
