@@ -8,7 +8,6 @@ whichever is smaller), so headroom means something on a laptop too.
 
 from __future__ import annotations
 
-import resource
 import sys
 import weakref
 from typing import Any
@@ -16,6 +15,23 @@ from typing import Any
 import psutil
 
 from collectors.host import cgroup_memory_limit
+
+
+def _peak_rss_of_this_process() -> int:
+    """The process's own RSS high-water mark (``VmHWM``), peaks between samples included.
+
+    Not ``getrusage().ru_maxrss``: Linux keeps that across ``exec``, so a rank spawned by
+    a big parent (torch.multiprocessing's spawn, a launcher) would report the parent's
+    peak as its own.
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _tensor_bytes(t: Any) -> int:
@@ -121,9 +137,7 @@ class MemorySampler:
                 used = int(self._proc.memory_info().rss)
             except psutil.Error:
                 used = None
-            # ru_maxrss is KiB on Linux: the true peak, even between our samples.
-            max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            self._peak_rss = max(self._peak_rss, used or 0, max_rss)
+            self._peak_rss = max(self._peak_rss, used or 0, _peak_rss_of_this_process())
             reserved, peak, capacity = None, self._peak_rss, self._cpu_capacity
         if self._capacity_override:
             capacity = self._capacity_override

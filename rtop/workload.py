@@ -98,6 +98,13 @@ class SyntheticLoader:
             yield self._batches[i % len(self._batches)]
 
 
+
+def _write_mark(path: Path, stamp: float) -> None:
+    """Write ``stamp`` to ``path`` atomically, so a reader never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(repr(stamp))
+    os.replace(tmp, path)
+
 def build_model(spec: WorkloadSpec) -> Any:
     """An MLP of ``layers`` hidden layers."""
     import torch
@@ -169,7 +176,7 @@ def train_loop(rank: int, spec: WorkloadSpec, model: Any, probe: Any) -> list[fl
             break
         faulty = i >= faults.start_step
         if i == faults.start_step and spec.fault_mark_dir:
-            Path(spec.fault_mark_dir, f"fault-rank{rank}").write_text(repr(time.time()))
+            _write_mark(Path(spec.fault_mark_dir, f"fault-rank{rank}"), time.time())
         if faulty and faults.die_at_step.get(rank) == i:
             os._exit(17)
         with step_ctx():

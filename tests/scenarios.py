@@ -13,8 +13,11 @@ from rtop.analysis import AnalysisConfig
 from rtop.hub.service import ThreadedHub
 from rtop.workload import Faults, WorkloadSpec, run_local
 
-#: A job whose healthy step is mostly compute (~25 ms of it, a few ms of allreduce).
-BASE = {"batch": 256, "dim": 256, "hidden": 512, "layers": 3}
+#: A job whose healthy step is mostly compute: on 2 ranks ~33 ms of compute against ~5 ms
+#: of exposed allreduce (2.6 MB of gradients); on 3 ranks sharing 2 cores ~47 ms against
+#: ~12 ms. Efficiency stays near 0.8 with room for a noisy CI machine (the finding's
+#: threshold is 0.6): a healthy run here is genuinely healthy.
+BASE = {"batch": 768, "dim": 256, "hidden": 512, "layers": 3}
 
 
 @dataclass
