@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from rtop import __version__
@@ -18,7 +19,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rtop", description="top for distributed training (PyTorch DDP, Ray Train)")
     parser.add_argument("--version", action="version", version=f"rtop {__version__}")
+    parser.add_argument("--web", action="store_true",
+                        help="serve the UI in a browser (textual-serve) instead of the terminal")
+    parser.add_argument("--web-port", type=int, default=8000, metavar="PORT",
+                        help="port for --web (default 8000, loopback only)")
     sub = parser.add_subparsers(dest="command")
+
+    attach = sub.add_parser("attach", help="open the UI on a running job's hub")
+    attach.add_argument("address", nargs="?", help="hub host:port (default: discover)")
+    attach.add_argument("--token", default=None, help="the hub's token (default $RTOP_TOKEN)")
+    attach.add_argument("--rate", type=float, default=2.0, metavar="HZ",
+                        help="updates per second (default 2)")
+
+    replay = sub.add_parser("replay", help="open the UI on a recorded run")
+    replay.add_argument("run", help="a recording (.rtop)")
+    replay.add_argument("--speed", type=float, default=1.0, help="playback speed (default 1)")
+    replay.add_argument("--paused", action="store_true", help="start paused")
 
     serve = sub.add_parser("serve", help="run a standalone hub")
     serve.add_argument("--host", default="127.0.0.1",
@@ -51,12 +67,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("list", help="list the hubs rtop can find")
 
-    demo = sub.add_parser("demo", help="run a real instrumented DDP job with a fault")
-    demo.add_argument("--fault", choices=["starved", "straggler", "memory", "none"],
-                      default="starved")
-    demo.add_argument("--ranks", type=int, default=3)
-    demo.add_argument("--steps", type=int, default=80)
-    demo.add_argument("--record", default=None, metavar="PATH", help="keep the recording")
+    demo = sub.add_parser(
+        "demo", help="run a real Ray Train job with an injected fault and watch it",
+        description="Start a real Ray Train TorchTrainer job on CPU (DDP over gloo, a small "
+                    "MLP on synthetic data) with a fault injected on rank 1 after 40 healthy "
+                    "steps, and watch it live; --headless prints progress, then the report.")
+    demo.add_argument("--fault", choices=["starved", "straggler", "memory", "hang", "none"],
+                      default="starved",
+                      help="starved: slow data loader; straggler: slow compute; memory: "
+                           "memory growing every step; hang: a rank stops; none: healthy "
+                           "(default: starved)")
+    demo.add_argument("--workers", type=int, choices=[2, 3, 4], default=3, metavar="N",
+                      help="Ray Train workers (ranks), 2 to 4 (default 3)")
+    demo.add_argument("--headless", action="store_true",
+                      help="no live view: print progress, then the recording's report")
+    demo.add_argument("--duration", type=float, default=300.0, metavar="S",
+                      help="seconds of training before the job ends on its own "
+                           "(default 300; the live view can end it sooner)")
+    demo.add_argument("--record", default=None, metavar="PATH",
+                      help="recording file (default: $RTOP_RUNS_DIR or "
+                           "~/.local/share/rtop/runs/demo-<fault>-<time>.rtop)")
     return parser
 
 
@@ -73,11 +103,77 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_status(args)
     if args.command == "list":
         return cmd_list()
+    if args.command == "attach":
+        return cmd_attach(args)
+    if args.command == "replay":
+        return cmd_replay(args)
     if args.command == "demo":
         from rtop import demo
 
-        return demo.run(args.fault, args.ranks, args.steps, args.record)
-    return cmd_status(argparse.Namespace(address=None, token=None, json=False))
+        if args.duration <= 0:
+            print("rtop demo: --duration must be positive", file=sys.stderr)
+            return 2
+        return demo.run(args.fault, args.workers, headless=args.headless,
+                        duration_s=args.duration, record=args.record)
+    return cmd_attach(argparse.Namespace(address=None, token=None, rate=2.0, web=args.web,
+                                         web_port=args.web_port))
+
+
+def _web(args: argparse.Namespace, argv: list[str]) -> int:
+    """Serve ``rtop ARGV`` in the browser through textual-serve."""
+    from rtop.tui.web import serve_web
+
+    return serve_web(argv, port=args.web_port)
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    """``rtop [attach [ADDRESS]]``: the UI on a live job."""
+    picked = _pick_hub(args.address, args.token)
+    if picked is None:
+        return 1
+    address, token = picked
+    if getattr(args, "web", False):
+        # the token goes to the child through the environment, never on a command line
+        os.environ["RTOP_TOKEN"] = token or ""
+        return _web(args, ["attach", address, "--rate", str(args.rate)])
+    from rtop.client import HubClient, HubError
+    from rtop.tui import attach
+
+    try:  # fail early and clearly rather than inside the UI
+        HubClient(address, token, timeout=5.0).close()
+    except HubError as exc:
+        print(f"rtop: {exc}", file=sys.stderr)
+        return 1
+    return attach(address, token, rate_hz=args.rate)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """``rtop replay RUN``: the UI on a recording."""
+    from collectors.wire import WireError
+    from rtop.tui.source import recording_span
+
+    try:
+        start, _ = recording_span(args.run)
+    except FileNotFoundError:
+        print(f"rtop replay: no such file: {args.run}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"rtop replay: {exc}", file=sys.stderr)
+        return 2
+    if start is None:
+        print(f"rtop replay: {args.run} is not an rtop recording", file=sys.stderr)
+        return 2
+    if getattr(args, "web", False):
+        extra = ["--paused"] if args.paused else []
+        return _web(args, ["replay", str(Path(args.run).resolve()), "--speed",
+                           str(args.speed), *extra])
+    from rtop.tui import replay
+
+    try:
+        return replay(args.run, speed=args.speed, paused=args.paused)
+    except WireError as exc:
+        print(f"rtop replay: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

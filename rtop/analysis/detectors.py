@@ -59,8 +59,14 @@ def ms(x: float) -> str:
 def _names(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"Rank {ranks[0]}"
+    if len(ranks) == 2:
+        return f"Ranks {ranks[0]} and {ranks[1]}"
     shown = ", ".join(str(r) for r in ranks[:5])
     return f"Ranks {shown}{' and others' if len(ranks) > 5 else ''}"
+
+
+def _verb(ranks: list[int], one: str, many: str) -> str:
+    return one if len(ranks) == 1 else many
 
 
 def _nanmedian(a: np.ndarray) -> float:
@@ -164,7 +170,7 @@ def hung_rank(ctx: Context) -> Finding | None:
     waiting = f"; {len(peers_in_comm)} peers wait for it in the allreduce" if peers_in_comm \
         else ""
     step_txt = ms(med_step) if not math.isnan(med_step) else "n/a"
-    summary = (f"{_names(ranks)} has been stuck in {w.phase[i0]} for "
+    summary = (f"{_names(ranks)} {_verb(ranks, 'has', 'have')} been stuck in {w.phase[i0]} for "
                f"{w.phase_age_s[i0]:.0f} s (a step takes {step_txt}){waiting}.")
     return Finding("hung_rank", ranks, "critical", summary, ev,
                    "Read the stack in the evidence: it shows where the rank waits. Usual "
@@ -228,11 +234,13 @@ def input_findings(ctx: Context) -> list[Finding]:
     times = dw[i0] / others[i0] if others[i0] and others[i0] == others[i0] and others[i0] > 0 \
         else math.inf
     ratio = f"{times:.0f}x its peers ({ms(others[i0])})" if math.isfinite(times) \
-        else "while its peers do not wait"
+        and times < 100 else f"while its peers wait {ms(others[i0])}" \
+        if others[i0] == others[i0] else "while its peers do not wait"
     then = (f"; the others then wait for it inside the allreduce ({ms(peer_comm)} vs "
             f"{ms(comm[i0])})") if peer_comm == peer_comm and comm[i0] == comm[i0] \
         and peer_comm > comm[i0] else ""
-    summary = f"{_names(ranks)} waits {ms(dw[i0])} per step for data, {ratio}{then}."
+    summary = (f"{_names(ranks)} {_verb(ranks, 'waits', 'wait')} {ms(dw[i0])} per step for "
+               f"data, {ratio}{then}.")
     node = w.ranks[i0].node
     return [Finding("starved_rank", ranks, "warning", summary, ev,
                     f"Give {_names(ranks).lower()}'s input more throughput: raise DataLoader "
@@ -503,13 +511,15 @@ def memory_wall(ctx: Context) -> Finding | None:
     i0, h0, s0 = flagged[0]
     gb = 1e9
     if used[i0] == used[i0] and used[i0] >= cap[i0]:
-        summary = (f"{_names(ranks)} uses {used[i0] / gb:.3g} GB, more than the "
+        summary = (f"{_names(ranks)} {_verb(ranks, 'uses', 'use')} {used[i0] / gb:.3g} GB, "
+                   "more than the "
                    f"{cap[i0] / gb:.3g} GB it has: it is out of memory or about to be.")
     elif math.isfinite(s0):
         summary = (f"{_names(ranks)}'s memory grows {w.mem_slope[i0] / 1e6:.3g} MB/s and fills "
                    f"its {cap[i0] / gb:.3g} GB in about {s0:.0f} steps.")
     else:
-        summary = (f"{_names(ranks)} has {h0 / gb:.3g} GB of {cap[i0] / gb:.3g} GB left at its "
+        summary = (f"{_names(ranks)} {_verb(ranks, 'has', 'have')} {h0 / gb:.3g} GB of "
+                   f"{cap[i0] / gb:.3g} GB left at its "
                    f"peak ({h0 / cap[i0]:.0%}): the next larger batch or sequence will not fit.")
     severity = "critical" if (s0 < 500 or (h0 == h0 and h0 < 0.03 * cap[i0])) else "warning"
     return Finding("memory_wall", ranks, severity, summary, evidence,

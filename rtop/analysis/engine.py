@@ -27,12 +27,24 @@ ALL_KINDS = ("starved_rank", "input_bound", "straggler", "slow_link",
 
 
 def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] | None = None,
-             now: float | None = None) -> list[d.Finding]:
-    """Every finding whose condition holds now (no onset/clear)."""
+             now: float | None = None, overview: dict[str, Any] | None = None
+             ) -> list[d.Finding]:
+    """Every finding whose condition holds now (no onset/clear).
+
+    ``overview``, when given, is filled with what a viewer shows whether or not anything
+    is wrong: the fabric class and its expected bus bandwidth, and the scaling figures
+    (efficiency, breakdown, what-if for more ranks).
+    """
     w = take(state, cfg, now)
     if w.n == 0:
         return []
     ctx = d.Context(w, cfg, active or {})
+    if overview is not None:
+        cls = d.fabric_class(w, cfg)
+        scaling = d.low_scaling_efficiency(ctx, always=True)
+        overview.update({"fabric": cls, "expected_busbw_Bps": cfg.fabric_busbw.get(cls),
+                         "nodes": len(w.node),
+                         "scaling": scaling.evidence if scaling is not None else None})
     out: list[d.Finding] = []
     for fn in (d.lost_rank, d.hung_rank):  # these exclude ranks from the comparisons
         f = fn(ctx)
@@ -97,12 +109,17 @@ class Analyzer:
         self.episodes: list[Episode] = []
         self.last_eval_s = 0.0
         self.onsets: list[tuple[float, dict[str, Any]]] = []  # (time, finding), newest last
+        #: fabric and scaling figures of the last evaluation (see :func:`evaluate`)
+        self.overview: dict[str, Any] = {}
 
     def update(self, state: RunState, now: float | None = None) -> list[dict[str, Any]]:
         """Evaluate once; return the active findings, worst first."""
         t = state.now if now is None else now
         t0 = time.perf_counter()
-        found = evaluate(state, self.cfg, {k: ep.ranks for k, ep in self.active.items()}, t)
+        overview: dict[str, Any] = {}
+        found = evaluate(state, self.cfg, {k: ep.ranks for k, ep in self.active.items()}, t,
+                         overview)
+        self.overview = overview
         self.last_eval_s = time.perf_counter() - t0
         seen = set()
         for f in found:

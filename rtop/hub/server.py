@@ -469,6 +469,7 @@ class Hub:
         snap = self.state.snapshot()
         snap["findings"] = self._findings
         snap["analysis_s"] = self.analyzer.last_eval_s if self.analyzer else None
+        snap["overview"] = self.analyzer.overview if self.analyzer else {}
         snap["hub"] = {"address": self.address, "counters": dict(self.counters),
                        "record": str(self.recorder.path) if self.recorder else None}
         return snap
@@ -496,21 +497,7 @@ class Hub:
 
     def rank_detail(self, rank: int) -> dict[str, Any]:
         """One rank's full window: step and sample histories, stack, events, meta."""
-        rs = self.state.rank_state(rank)
-        if rs is None:
-            return {"rank": rank, "found": False}
-        st = self.state
-        detail: dict[str, Any] = {
-            "rank": rank, "found": True, "identity": rs.identity.to_wire(),
-            "status": rs.status, "meta": rs.meta, "stack": rs.stack,
-            "events": list(rs.events), "offset_s": rs.offset_s, "gpu": rs.gpu,
-            "host": rs.host, "mem": rs.mem, "hb": rs.hb, "summary": rs.summary,
-        }
-        if rs.slot is not None:
-            detail["steps"] = {f: _clean(st.steps.history(f, rs.slot)) for f in st.steps.fields}
-            detail["samples"] = {f: _clean(st.samples.history(f, rs.slot))
-                                 for f in st.samples.fields}
-        return detail
+        return self.state.rank_detail(rank)
 
     def _offer(self, conn: _Conn, data: bytes) -> None:
         t = conn.transport
@@ -571,10 +558,6 @@ class Hub:
                     + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                     + body)
         conn.close()
-
-
-def _clean(values: Any) -> list[float | None]:
-    return [None if v != v else float(v) for v in values.tolist()]
 
 
 def _raise_fd_limit() -> None:

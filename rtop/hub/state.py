@@ -486,6 +486,25 @@ class RunState:
             out[f] = column(agg)
         return out
 
+    def rank_detail(self, rank: int) -> dict[str, Any]:
+        """One rank of the current attempt in full: step and sample histories, stack,
+        events, identity and static memory figures (``found`` is False if unknown)."""
+        rs = self.rank_state(rank)
+        if rs is None:
+            return {"rank": rank, "found": False}
+        detail: dict[str, Any] = {
+            "rank": rank, "found": True, "identity": rs.identity.to_wire(),
+            "status": rs.status, "meta": rs.meta, "stack": rs.stack,
+            "events": list(rs.events), "offset_s": rs.offset_s, "gpu": rs.gpu,
+            "host": rs.host, "mem": rs.mem, "hb": rs.hb, "summary": rs.summary,
+        }
+        if rs.slot is not None:
+            detail["steps"] = {f: column(self.steps.history(f, rs.slot))
+                               for f in self.steps.fields}
+            detail["samples"] = {f: column(self.samples.history(f, rs.slot))
+                                 for f in self.samples.fields}
+        return detail
+
     def nbytes(self) -> int:
         """Bytes held in the windows."""
         return self.steps.nbytes() + self.samples.nbytes() + int(self.latest.nbytes)

@@ -1,0 +1,215 @@
+"""One rank in full: its recent history as sparklines, its memory split and forecast,
+its stack when it is stuck, its checkpoints."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, ClassVar
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Sparkline, Static
+
+from rtop.tui.model import (
+    fmt_bytes,
+    fmt_ms,
+    fmt_pct,
+    growth_forecast,
+    memory_split,
+    num,
+    rank_rows,
+)
+
+#: (title, source, field, how to print a value)
+SERIES = (
+    ("step ms", "steps", "step_s", fmt_ms),
+    ("data ms", "steps", "data_wait_s", fmt_ms),
+    ("compute ms", "steps", "compute_s", fmt_ms),
+    ("allreduce", "steps", "comm_s", fmt_ms),
+    ("GPU util", "samples", "gpu_util_pct", lambda v: fmt_pct(v)),
+    ("power W", "samples", "gpu_power_w", lambda v: "–" if num(v) is None else f"{v:.0f}"),
+    ("clock MHz", "samples", "gpu_sm_clock_mhz",
+     lambda v: "–" if num(v) is None else f"{v:.0f}"),
+    ("host CPU", "samples", "host_proc_cpu_pct", lambda v: fmt_pct(v)),
+    ("memory", "samples", "mem_used_bytes", fmt_bytes),
+)
+
+
+def fmt_phase(seconds: Any) -> str:
+    """How long a phase has lasted: ms under a second, else seconds."""
+    v = num(seconds)
+    if v is None:
+        return "–"
+    return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.1f} s"
+MEM_PARTS = (("parameters", "█", "cyan"), ("gradients", "▓", "blue"),
+             ("optimizer", "▒", "magenta"), ("activations", "░", "yellow"),
+             ("free", "·", "green"))
+
+
+def memory_bar(split: dict[str, float], width: int = 60) -> Text:
+    """Parameters / gradients / optimizer / activations / free as one bar and a legend."""
+    cap = split["capacity"] or 1.0
+    text = Text()
+    used = 0
+    for name, glyph, colour in MEM_PARTS:
+        n = min(width - used, round(width * split[name] / cap))
+        text.append(glyph * n, colour)
+        used += n
+    text.append(" " * (width - used))
+    text.append(f"  {fmt_bytes(cap)}\n")
+    for name, glyph, colour in MEM_PARTS:
+        text.append(f"{glyph} ", colour)
+        text.append(f"{name} {fmt_bytes(split[name])}  ")
+    return text
+
+
+class Series(Horizontal):
+    """A label with the median and latest value, and a sparkline."""
+
+    DEFAULT_CSS = """
+    Series { height: 1; }
+    Series > Static { width: 42; }
+    Series > Sparkline { width: 1fr; }
+    """
+
+    def __init__(self, title: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.title = title
+
+    def compose(self) -> ComposeResult:
+        """Label and sparkline."""
+        yield Static(self.title)
+        yield Sparkline([])
+
+    def show(self, values: list[Any], fmt: Any) -> None:
+        """Redraw with these values (None gaps dropped)."""
+        vals = [float(v) for v in values if num(v) is not None][-240:]
+        label = Text(f"{self.title:<11}", "bold")
+        if vals:
+            label.append(f"{fmt(vals[-1]):>9} now {fmt(statistics.median(vals)):>9} median")
+        else:
+            label.append(" not measured", "dim")
+        self.query_one(Static).update(label)
+        spark = self.query_one(Sparkline)
+        spark.data = vals
+        spark.display = bool(vals)
+
+
+class RankScreen(Screen[None]):
+    """Everything about one rank."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape,q", "app.pop_screen", "back"),
+        Binding("left,[", "other(-1)", "previous rank"),
+        Binding("right,]", "other(1)", "next rank"),
+    ]
+    DEFAULT_CSS = """
+    RankScreen #title { height: 2; background: $panel; padding: 0 1; }
+    RankScreen #series { height: auto; padding: 0 1; }
+    RankScreen #memory, RankScreen #stack, RankScreen #events { height: auto; padding: 0 1;
+        margin-top: 1; }
+    """
+
+    def __init__(self, rank: int, ranks: list[int]) -> None:
+        super().__init__()
+        self.rank, self.ranks = rank, ranks
+        self.snapshot: dict[str, Any] | None = None
+
+    def compose(self) -> ComposeResult:
+        """Title, series, memory, stack, events."""
+        yield Static(f"rank {self.rank}", id="title")
+        with VerticalScroll():
+            with VerticalScroll(id="series"):
+                for title, *_ in SERIES:
+                    yield Series(title)
+            yield Static("", id="memory")
+            yield Static("", id="stack")
+            yield Static("", id="events")
+        yield Footer()
+
+    def show_snapshot(self, snap: dict[str, Any]) -> None:
+        """Keep the list of ranks (for previous/next) and the rank's badge fresh."""
+        self.snapshot = snap
+        self.ranks = list((snap.get("ranks") or {}).get("rank") or self.ranks)
+
+    def show_detail(self, d: dict[str, Any]) -> None:
+        """Redraw from the rank's detail."""
+        if d.get("rank") != self.rank:
+            return
+        title = Text(no_wrap=True, overflow="ellipsis")
+        title.append(f"rank {self.rank}", "bold cyan")
+        if not d.get("found"):
+            title.append("  not in the current attempt", "yellow")
+            self.query_one("#title", Static).update(title)
+            return
+        ident = d.get("identity") or {}
+        row = next((r for r in rank_rows(self.snapshot or {}) if r.rank == self.rank), None)
+        badge = row.badge if row else ""
+        title.append(f"  node {ident.get('hostname') or '?'} ({ident.get('ip') or '?'})"
+                     f"  pid {ident.get('pid', '?')}  local rank {ident.get('local_rank', '?')}"
+                     f"  {ident.get('source', '')}  {d.get('status')}")
+        if badge:
+            title.append(f"  {badge}", "bold red")
+        hb = d.get("hb")
+        if isinstance(hb, (list, tuple)) and len(hb) >= 3 and hb[1]:
+            title.append(f"\nnow: {hb[1]} for {fmt_phase(hb[2])}")
+        self.query_one("#title", Static).update(title)
+        for widget, (_, src, fld, fmt) in zip(self.query(Series), SERIES, strict=True):
+            widget.show((d.get(src) or {}).get(fld) or [], fmt)
+        mem = Text()
+        split = memory_split(d)
+        if split:
+            mem.append("Memory at the peak\n", "bold")
+            mem.append_text(memory_bar(split, max(20, min(80, self.size.width - 20))))
+            wall = self._wall_evidence()
+            per_step, steps_left = growth_forecast(d)
+            if wall and wall.get("steps_to_oom") is not None:
+                mem.append(f"\nMemory wall: growing {fmt_bytes(wall.get('growth_Bps'))}/s, "
+                           f"full in about {wall['steps_to_oom']:,.0f} steps.", "bold magenta")
+            elif wall:
+                mem.append(f"\nMemory wall: {fmt_bytes(wall.get('headroom_bytes'))} left at "
+                           "the peak.", "bold magenta")
+            elif per_step is not None and per_step > 0 and steps_left is not None:
+                mem.append(f"\nRecent trend: +{fmt_bytes(per_step)} per step (full in "
+                           f"{steps_left:,.0f} steps at that rate; not a sustained growth).",
+                           "dim")
+            elif per_step is not None:
+                mem.append("\nMemory is flat: no wall ahead at this batch size.", "green")
+        else:
+            mem.append("Memory: not reported yet", "dim")
+        self.query_one("#memory", Static).update(mem)
+        stack = d.get("stack")
+        st = Text()
+        if stack:
+            st.append("Python stack of the main thread (it has been in one phase too long)\n",
+                      "bold red")
+            st.append(str(stack).rstrip())
+        self.query_one("#stack", Static).update(st)
+        events = d.get("events") or []
+        ev = Text()
+        if events:
+            ev.append("Events\n", "bold")
+            for e in events[-8:]:
+                ev.append(f"  {e}\n", "dim")
+        self.query_one("#events", Static).update(ev)
+
+    def _wall_evidence(self) -> dict[str, Any] | None:
+        for f in (self.snapshot or {}).get("findings") or []:
+            if f.get("kind") == "memory_wall":
+                ev = (f.get("evidence") or {}).get("ranks") or {}
+                got = ev.get(str(self.rank))
+                return got if isinstance(got, dict) else None
+        return None
+
+    def action_other(self, delta: int) -> None:
+        """Show the previous or next rank."""
+        if not self.ranks:
+            return
+        ranks = sorted(self.ranks)
+        i = ranks.index(self.rank) if self.rank in ranks else 0
+        self.rank = ranks[(i + delta) % len(ranks)]
+        self.query_one("#title", Static).update(f"rank {self.rank} …")
+        self.app.follow(self.rank)  # type: ignore[attr-defined]

@@ -1,0 +1,63 @@
+"""The header: which job, how big, how fast, how efficient, and rtop's own health."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.widgets import Static
+
+from rtop.tui.model import fmt_duration, fmt_pct, job_figures
+
+
+class JobHeader(Static):
+    """Two lines about the job as a whole."""
+
+    DEFAULT_CSS = """
+    JobHeader { height: 2; background: $panel; padding: 0 1; }
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__("rtop · waiting for the first snapshot…", **kwargs)
+        self.source_text = ""
+        self.source_error = False
+
+    def show(self, snap: dict[str, Any] | None) -> None:
+        """Redraw from a snapshot (None: nothing received yet)."""
+        line1 = Text(no_wrap=True, overflow="ellipsis")
+        line1.append("rtop ", "bold")
+        if snap is None:
+            line1.append(self.source_text or "connecting…",
+                         "bold red" if self.source_error else "dim")
+            self.update(line1)
+            return
+        j = job_figures(snap)
+        line1.append(j.job, "bold cyan")
+        rp = snap.get("replay")
+        if rp:
+            state = "⏸ paused" if rp.get("paused") else ("■ end" if rp.get("finished")
+                                                         else f"▶ {rp.get('speed', 1):g}×")
+            line1.append(f"  replay {fmt_duration(rp.get('position_s'))}"
+                         f"/{fmt_duration(rp.get('duration_s'))} {state}", "bold yellow")
+        if self.source_text:
+            line1.append(f"  {self.source_text}", "bold red" if self.source_error else "dim")
+        line2 = Text(no_wrap=True, overflow="ellipsis")
+        world = j.world or j.seen
+        if j.active == 0 and j.seen and not j.lost:
+            line2.append(f"{world} ranks, job ended", "bold")
+        else:
+            up = f"{j.active}/{world} running" + (f", {j.lost} lost" if j.lost else "")
+            line2.append(f"ranks {up}", "bold red" if j.lost else "")
+        line2.append(f" · attempt {j.attempt if j.attempt is not None else '–'}"
+                     + (f" of {j.attempts}" if j.attempts > 1 else ""))
+        line2.append(f" · up {fmt_duration(j.uptime_s)}")
+        line2.append(" · " + (f"{j.steps_per_s:.2f} steps/s" if j.steps_per_s else "– steps/s"))
+        if j.samples_per_s:
+            line2.append(f" · {j.samples_per_s:,.0f} samples/s")
+        eff_style = "" if j.efficiency is None or j.efficiency >= 0.6 else "bold yellow"
+        line2.append(" · efficiency ")
+        line2.append(fmt_pct(j.efficiency, 100), eff_style)
+        line2.append(f" · rtop: {j.dropped} dropped", "dim" if not j.dropped else "yellow")
+        if j.bad_frames:
+            line2.append(f", {j.bad_frames} bad frames", "yellow")
+        self.update(Text("\n").join([line1, line2]))

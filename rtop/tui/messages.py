@@ -1,0 +1,45 @@
+"""Messages the data source posts to the app (from its worker thread)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.message import Message
+
+
+class SnapshotReceived(Message):
+    """A new snapshot of the run. Only the newest one waits in the queue."""
+
+    def __init__(self, snapshot: dict[str, Any]) -> None:
+        super().__init__()
+        self.snapshot = snapshot
+
+    def can_replace(self, message: Message) -> bool:
+        """A newer snapshot makes an older, unprocessed one pointless."""
+        return isinstance(message, SnapshotReceived)
+
+
+class DetailReceived(Message):
+    """One rank's full window (the rank detail screen's data)."""
+
+    def __init__(self, detail: dict[str, Any]) -> None:
+        super().__init__()
+        self.detail = detail
+
+    def can_replace(self, message: Message) -> bool:
+        """Only the newest detail of the same rank matters."""
+        return isinstance(message, DetailReceived) and \
+            message.detail.get("rank") == self.detail.get("rank")
+
+
+class SourceStatus(Message):
+    """What the source is doing: connected, retrying, replay position, an error."""
+
+    def __init__(self, text: str, error: bool = False) -> None:
+        super().__init__()
+        self.text = text
+        self.error = error
+
+    def can_replace(self, message: Message) -> bool:
+        """Only the latest status matters."""
+        return isinstance(message, SourceStatus)

@@ -1,0 +1,305 @@
+"""Where the UI's data comes from: a live hub, a recording, or fixed snapshots.
+
+A source runs in the app's worker thread (:meth:`Source.run`) and talks back only by
+posting messages; the UI never touches a socket or a file itself. Every source produces
+the same snapshot shape as the hub (``RunState.snapshot()`` plus ``findings``,
+``overview`` and ``hub``), so live and replay share every screen.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from collectors import wire
+from rtop.analysis import AnalysisConfig, Analyzer
+from rtop.hub.state import ProtocolError, RunState
+from rtop.recording import ReadResult, read
+from rtop.tui.messages import DetailReceived, SnapshotReceived, SourceStatus
+
+Post = Callable[[Any], Any]
+
+
+class Source:
+    """Base class: ``run(post, stop)`` until ``stop`` is set; ``follow(rank)`` asks for
+    that rank's full detail with every update (None: no detail wanted)."""
+
+    live = True
+    title = ""
+
+    def __init__(self) -> None:
+        self.detail_rank: int | None = None
+        self.wake = threading.Event()
+
+    def follow(self, rank: int | None) -> None:
+        """Send :class:`DetailReceived` for ``rank`` from now on (None stops it)."""
+        self.detail_rank = rank
+        self.wake.set()
+
+    def run(self, post: Post, stop: threading.Event) -> None:  # pragma: no cover - abstract
+        """Produce messages until ``stop`` is set."""
+        raise NotImplementedError
+
+
+class LiveSource(Source):
+    """A running job's hub, polled at ``rate_hz`` (default 2 Hz) over one viewer
+    connection; reconnects with backoff if the hub goes away."""
+
+    def __init__(self, address: str, token: str | None, rate_hz: float = 2.0) -> None:
+        super().__init__()
+        self.address, self.token, self.rate_hz = address, token, rate_hz
+        self.title = address
+
+    def run(self, post: Post, stop: threading.Event) -> None:
+        """Poll the hub until ``stop``; say so when it is unreachable, and retry."""
+        from rtop.client import HubClient, HubError
+
+        backoff = 0.5
+        while not stop.is_set():
+            try:
+                with HubClient(self.address, self.token, timeout=5.0) as client:
+                    post(SourceStatus(f"live · {self.address}"))
+                    backoff = 0.5
+                    while not stop.is_set():
+                        t0 = time.monotonic()
+                        post(SnapshotReceived(client.snapshot()))
+                        rank = self.detail_rank
+                        if rank is not None:
+                            post(DetailReceived(client.rank(rank)))
+                        self.wake.clear()
+                        self.wake.wait(max(0.0, 1.0 / self.rate_hz - (time.monotonic() - t0)))
+            except HubError as exc:
+                post(SourceStatus(f"{exc}; retrying in {backoff:.0f} s", error=True))
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+
+class StaticSource(Source):
+    """Fixed snapshots (tests, screenshots, benchmarks): posts them in turn, then keeps
+    the last one. ``details`` maps a rank to its detail."""
+
+    live = False
+
+    def __init__(self, snapshots: list[dict[str, Any]],
+                 details: dict[int, dict[str, Any]] | None = None, title: str = "fixture",
+                 interval_s: float = 0.5) -> None:
+        super().__init__()
+        self.snapshots, self.details = snapshots, details or {}
+        self.title, self.interval_s = title, interval_s
+
+    def run(self, post: Post, stop: threading.Event) -> None:
+        """Post each snapshot (and the followed rank's detail), then idle."""
+        post(SourceStatus(self.title))
+        i = 0
+        while not stop.is_set():
+            post(SnapshotReceived(self.snapshots[min(i, len(self.snapshots) - 1)]))
+            i += 1
+            rank = self.detail_rank
+            if rank is not None:
+                post(DetailReceived(self.details.get(rank, {"rank": rank, "found": False})))
+            self.wake.clear()
+            self.wake.wait(self.interval_s)
+
+
+_CLOCK_MARK = b"\x92\xa5clock"  # the start of a msgpack ["clock", {...}] body
+
+
+def recording_span(path: str | Path) -> tuple[float | None, float | None]:
+    """``(start, end)`` hub times of a recording, read from its head and tail only."""
+    start = end = None
+    with open(path, "rb") as f:
+        try:
+            head = wire.read_frame(f)
+        except wire.WireError:
+            head = None
+        if head is not None and head.kind == wire.KIND_RUN:
+            hub = head.payload.get("hub")
+            if isinstance(hub, dict) and isinstance(hub.get("started"), (int, float)):
+                start = float(hub["started"])
+        size = f.seek(0, 2)
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+    i = len(tail)
+    while True:
+        i = tail.rfind(_CLOCK_MARK, 0, i)
+        if i < wire.HEADER_BYTES:
+            break
+        try:
+            n = wire.parse_header(tail[i - wire.HEADER_BYTES:i])
+            _kind, payload = msgpack.unpackb(tail[i:i + n], raw=False)
+            end = float(payload["t_hub"])
+            break
+        except (wire.WireError, struct.error, ValueError, KeyError, TypeError,
+                msgpack.UnpackException):
+            continue
+    return start, end
+
+
+class ReplaySource(Source):
+    """A recording played back through the same state and diagnosis as the live hub.
+
+    ``speed`` (1× by default), ``paused``, :meth:`seek` (seconds from the start) and
+    :meth:`seek_step` are safe to set from the UI thread; they take effect at the next
+    tick. Seeking back replays from the start (the diagnosis needs the history).
+    """
+
+    live = False
+    TICK_S = 0.25
+    ANALYSIS_EVERY_S = 0.5
+
+    def __init__(self, path: str | Path, thresholds: AnalysisConfig | None = None,
+                 speed: float = 1.0, paused: bool = False) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.title = self.path.name
+        self.thresholds = thresholds or AnalysisConfig.load()
+        self.speed, self.paused = speed, paused
+        self.start, self.end = recording_span(self.path)
+        self._seek: tuple[str, float] | None = None
+        self._lock = threading.Lock()
+        self.position = 0.0  # seconds since the recording started
+        self.finished = False
+        self.warnings: list[str] = []
+
+    @property
+    def duration(self) -> float | None:
+        """Length of the recording in seconds (None if it has no clock yet)."""
+        if self.start is None or self.end is None:
+            return None
+        return max(0.0, self.end - self.start)
+
+    def seek(self, seconds: float) -> None:
+        """Jump to ``seconds`` from the start of the recording."""
+        with self._lock:
+            self._seek = ("time", max(0.0, seconds))
+        self.wake.set()
+
+    def seek_step(self, step: int) -> None:
+        """Jump to the moment the first rank reached training step ``step``."""
+        with self._lock:
+            self._seek = ("step", float(step))
+        self.wake.set()
+
+    # ---- the player --------------------------------------------------------------------
+
+    def _open(self) -> None:
+        self.state = RunState(lost_after_s=10.0)
+        self.analyzer = Analyzer(self.thresholds)
+        self.result = ReadResult()
+        self._frames: Iterator[tuple[float, wire.Frame]] = read(self.path, self.result)
+        self._next: tuple[float, wire.Frame] | None = None
+        self._t0: float | None = self.start
+        self._now = self.start or 0.0
+        self._next_eval = 0.0
+        self.finished = False
+
+    def _peek(self) -> tuple[float, wire.Frame] | None:
+        if self._next is None:
+            try:
+                self._next = next(self._frames)
+            except StopIteration:
+                self.finished = True
+                return None
+            if self._t0 is None:
+                self._t0 = self._next[0]
+        return self._next
+
+    def _advance(self, until: float | None, step: int | None = None,
+                 analyse_from: float = 0.0) -> None:
+        """Apply frames up to hub time ``until`` (or until a rank reaches ``step``)."""
+        while True:
+            nxt = self._peek()
+            if nxt is None:
+                break
+            t, frame = nxt
+            if until is not None and t > until:
+                break
+            if step is not None and self._max_step() >= step:
+                break
+            self._next = None
+            try:
+                self.state.apply(frame, t)
+            except ProtocolError:
+                self.state.bad_frames += 1
+            self._now = max(self._now, t)
+            if frame.kind == "clock":
+                self.state.now = t
+                if t >= self._next_eval:
+                    self._next_eval = t + self.ANALYSIS_EVERY_S
+                    self.state.tick(t)
+                    if t >= analyse_from:
+                        self.analyzer.update(self.state, t)
+        if until is not None and not self.finished:
+            self._now = until
+            self.state.now = until
+
+    def _max_step(self) -> int:
+        steps = [r.last_step for r in self.state.active_ranks() if r.last_step is not None]
+        return max(steps) if steps else -1
+
+    def _snapshot(self) -> dict[str, Any]:
+        snap = self.state.snapshot()
+        snap["findings"] = self.analyzer.current()
+        snap["overview"] = self.analyzer.overview
+        snap["analysis_s"] = self.analyzer.last_eval_s
+        snap["hub"] = {"address": None, "counters": {}, "record": str(self.path)}
+        t0 = self._t0 or 0.0
+        snap["replay"] = {"position_s": self._now - t0, "duration_s": self.duration,
+                          "speed": self.speed, "paused": self.paused,
+                          "finished": self.finished, "warnings": self.result.warnings[:3]}
+        return snap
+
+    def run(self, post: Post, stop: threading.Event) -> None:
+        """Play until ``stop``: a snapshot every tick, the followed rank's detail too."""
+        try:
+            self._open()
+            self._advance(until=(self.start or 0.0) + 0.001)
+        except (OSError, wire.WireError) as exc:
+            post(SourceStatus(f"cannot replay {self.path}: {exc}", error=True))
+            return
+        post(SourceStatus(f"replay · {self.path.name}"))
+        while not stop.is_set():
+            t0 = time.monotonic()
+            with self._lock:
+                seek, self._seek = self._seek, None
+            if seek is not None:
+                self._do_seek(post, *seek)
+            elif not self.paused and not self.finished:
+                self._advance(until=self._now + self.TICK_S * self.speed)
+            self.warnings = self.result.warnings
+            self.position = self._now - (self._t0 or 0.0)
+            post(SnapshotReceived(self._snapshot()))
+            rank = self.detail_rank
+            if rank is not None:
+                post(DetailReceived(self.state.rank_detail(rank)))
+            self.wake.clear()
+            self.wake.wait(max(0.0, self.TICK_S - (time.monotonic() - t0)))
+
+    def _do_seek(self, post: Post, what: str, value: float) -> None:
+        where = f"step {int(value)}" if what == "step" else _hms(value)
+        post(SourceStatus(f"seeking to {where}…"))
+        t0 = self._t0 or 0.0
+        if what == "time":
+            target = t0 + value
+            if target < self._now:
+                self._open()
+            # the diagnosis needs a little history: analyse the last 15 s before the target
+            self._advance(until=target, analyse_from=target - 15.0)
+        else:
+            if self._max_step() >= value:
+                self._open()
+            self._advance(until=None, step=int(value))
+        post(SourceStatus(f"replay · {self.path.name}"))
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+    return f"{s // 60}:{s % 60:02d}"
