@@ -98,13 +98,16 @@ def _recent_medians(state: RunState, slots: np.ndarray, cfg: AnalysisConfig
     return med, count, rate
 
 
-def _mem_trend(state: RunState, slots: np.ndarray, n_samples: int
+def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, n_samples: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Least-squares growth of device memory used over the last samples, per rank."""
     last = state.samples.last(slots, n_samples, ["t_wall", "mem_used_bytes"]
                               ).astype(np.float64)
     t, y = last[:, :, 0], last[:, :, 1]
-    ok = ~(np.isnan(t) | np.isnan(y))
+    # only samples after the rank warmed up (NaN until then: no trend yet)
+    base = state.samples.base or 0.0  # the ring stores t_wall relative to it
+    warm = np.array([np.nan if rs.warm_wall is None else rs.warm_wall - base for rs in ranks])
+    ok = ~(np.isnan(t) | np.isnan(y)) & (t >= warm[:, None])
     cnt = ok.sum(axis=1)
     tt = np.where(ok, t, 0.0)
     yy = np.where(ok, y, 0.0)
@@ -145,7 +148,7 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None) -> Wind
     if n:
         med, count, rate = _recent_medians(state, slots, cfg)
         latest = state.latest[slots]
-        slope, growth, r2 = _mem_trend(state, slots, cfg.mem_trend_samples)
+        slope, growth, r2 = _mem_trend(state, ranks, slots, cfg.mem_trend_samples)
     else:
         med = np.empty((0, len(_STEP_FIGURES) + 1))
         count = rate = slope = growth = r2 = np.empty(0)

@@ -47,6 +47,8 @@ _MEM_HIST = [_MEM[k] for k in ("used_bytes", "peak_bytes")]
 LATEST = tuple([f"gpu_{f}" for f in GPU_FIELDS[1:]] + [f"host_{f}" for f in HOST_FIELDS[1:]]
                + [f"mem_{f}" for f in MEM_FIELDS[2:]] + ["phase_s"])
 _NAN = float("nan")
+#: Steps a rank takes to warm up (see ``RankState.warm_wall``).
+WARMUP_STEPS = 20
 
 
 class ProtocolError(ValueError):
@@ -95,6 +97,9 @@ class RankState:
     collector: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, float | None] = field(default_factory=dict)  # once the window is freed
     lost_at: float | None = None  # hub time it was marked lost
+    #: the rank's wall time at its WARMUP_STEPS-th step: memory grows while a process
+    #: warms up (allocator, loader workers, caches), which is no trend to extrapolate
+    warm_wall: float | None = None
 
     @property
     def rank(self) -> int:
@@ -330,6 +335,10 @@ class RunState:
             for row in steps:
                 self.steps.append(slot, [_num(row[j]) for j in _STEP_PICK])
         if steps:
+            if rs.warm_wall is None and rs.steps_seen + len(steps) >= WARMUP_STEPS:
+                row = steps[min(len(steps) - 1, max(0, WARMUP_STEPS - 1 - rs.steps_seen))]
+                t = row[1]
+                rs.warm_wall = float(t) if isinstance(t, (int, float)) else None
             rs.steps_seen += len(steps)
             self.step_records += len(steps)
             last = steps[-1][0]

@@ -92,6 +92,14 @@ class RtopApp(App[int]):
         self.last_scaling: dict[str, Any] | None = None
         self._stop = threading.Event()
 
+    #: actions on the overview's table: off (and out of the footer) on other screens
+    OVERVIEW_ACTIONS = frozenset({"sort", "reverse", "worst", "group", "filter", "fabric",
+                                  "scaling", "goto"})
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The table's keys only act on the overview."""
+        return not (action in self.OVERVIEW_ACTIONS and len(self.screen_stack) > 1)
+
     # ---- layout -----------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
@@ -128,6 +136,8 @@ class RtopApp(App[int]):
 
     def on_snapshot_received(self, message: SnapshotReceived) -> None:
         """Draw a new snapshot everywhere it shows."""
+        if not self.screen_stack:  # shutting down
+            return
         snap = message.snapshot
         ov = snap.get("overview") or {}
         if ov.get("scaling"):
@@ -145,12 +155,16 @@ class RtopApp(App[int]):
 
     def on_detail_received(self, message: DetailReceived) -> None:
         """Hand a rank's detail to its screen."""
+        if not self.screen_stack:  # shutting down
+            return
         screen = self.screen
         if isinstance(screen, RankScreen):
             screen.show_detail(message.detail)
 
     def on_source_status(self, message: SourceStatus) -> None:
         """Show what the source is doing (and errors, loudly)."""
+        if not self.screen_stack:  # shutting down
+            return
         header = self.query_one(JobHeader)
         header.source_text, header.source_error = message.text, message.error
         header.show(self.snapshot)

@@ -102,7 +102,7 @@ class RankScreen(Screen[None]):
     """Everything about one rank."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("escape,q", "app.pop_screen", "back"),
+        Binding("escape,q", "back", "back"),
         Binding("left,[", "other(-1)", "previous rank"),
         Binding("right,]", "other(1)", "next rank"),
     ]
@@ -117,6 +117,12 @@ class RankScreen(Screen[None]):
         super().__init__()
         self.rank, self.ranks = rank, ranks
         self.snapshot: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+
+    def on_mount(self) -> None:
+        """Draw a detail that arrived before the widgets existed."""
+        if self._pending is not None:
+            self.call_after_refresh(self.show_detail, self._pending)
 
     def compose(self) -> ComposeResult:
         """Title, series, memory, stack, events."""
@@ -138,6 +144,9 @@ class RankScreen(Screen[None]):
     def show_detail(self, d: dict[str, Any]) -> None:
         """Redraw from the rank's detail."""
         if d.get("rank") != self.rank:
+            return
+        if not self.query("#title"):  # not composed yet: draw once mounted
+            self._pending = d
             return
         title = Text(no_wrap=True, overflow="ellipsis")
         title.append(f"rank {self.rank}", "bold cyan")
@@ -195,6 +204,10 @@ class RankScreen(Screen[None]):
             for e in events[-8:]:
                 ev.append(f"  {e}\n", "dim")
         self.query_one("#events", Static).update(ev)
+
+    def action_back(self) -> None:
+        """Back to the overview (the app stops asking for this rank's detail)."""
+        self.dismiss(None)
 
     def _wall_evidence(self) -> dict[str, Any] | None:
         for f in (self.snapshot or {}).get("findings") or []:

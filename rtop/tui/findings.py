@@ -69,7 +69,9 @@ def _value(k: str, v: Any) -> str:
             return f"{v / 1e9:.3g} GB/s"
         if k.endswith("_bytes"):
             return f"{v / 1e9:.3g} GB"
-        if k.endswith("_s"):
+        if k.endswith("_s") or "_s_" in k:
+            if abs(v) < 1e-4:
+                return "~0 ms"
             return f"{v * 1e3:.3g} ms" if v < 10 else f"{v:.3g} s"
         return f"{v:.3g}"
     if isinstance(v, list) and v and isinstance(v[0], dict):

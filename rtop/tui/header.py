@@ -35,8 +35,8 @@ class JobHeader(Static):
         line1.append(j.job, "bold cyan")
         rp = snap.get("replay")
         if rp:
-            state = "⏸ paused" if rp.get("paused") else ("■ end" if rp.get("finished")
-                                                         else f"▶ {rp.get('speed', 1):g}×")
+            state = "paused" if rp.get("paused") else ("end of recording" if rp.get("finished")
+                                                       else f"playing {rp.get('speed', 1):g}×")
             line1.append(f"  replay {fmt_duration(rp.get('position_s'))}"
                          f"/{fmt_duration(rp.get('duration_s'))} {state}", "bold yellow")
         if self.source_text:
@@ -48,8 +48,8 @@ class JobHeader(Static):
         else:
             up = f"{j.active}/{world} running" + (f", {j.lost} lost" if j.lost else "")
             line2.append(f"ranks {up}", "bold red" if j.lost else "")
-        line2.append(f" · attempt {j.attempt if j.attempt is not None else '–'}"
-                     + (f" of {j.attempts}" if j.attempts > 1 else ""))
+        if j.attempts > 1 or (isinstance(j.attempt, int) and j.attempt > 0):
+            line2.append(f" · restarted: attempt {j.attempt}", "bold yellow")
         line2.append(f" · up {fmt_duration(j.uptime_s)}")
         line2.append(" · " + (f"{j.steps_per_s:.2f} steps/s" if j.steps_per_s else "– steps/s"))
         if j.samples_per_s:

@@ -76,9 +76,13 @@ def fit_columns(width: int) -> list[Column]:
     return cols
 
 
+_PLAIN = Style()
+
+
 def _cell(text: str, col: Column, style: Style | None = None) -> Segment:
     text = text if len(text) <= col.width else text[: col.width - 1] + "…"
-    return Segment((text.rjust(col.width) if col.right else text.ljust(col.width)) + " ", style)
+    return Segment((text.rjust(col.width) if col.right else text.ljust(col.width)) + " ",
+                   style or _PLAIN)
 
 
 def bar_segments(row: RankRow | NodeRow, width: int) -> list[Segment]:
@@ -277,12 +281,13 @@ class RanksView(ScrollView, can_focus=True):
         i = self.scroll_offset.y + y
         width = self.size.width
         if i >= len(self.rows):
-            return Strip.blank(width)
+            return Strip.blank(width, _PLAIN)
         row = self.rows[i]
         segs = row_segments(row, self._cols)
-        strip = Strip(segs).crop_extend(0, width, None)
+        strip = Strip(segs).crop_extend(0, width, _PLAIN)
         if i == self.cursor and self.has_focus:
-            strip = strip.apply_style(Style(reverse=True))
+            # a background, not reverse video: the bar keeps its colours under the cursor
+            strip = strip.apply_style(Style(bold=True, bgcolor="#3b4261"))
         elif i == self.cursor:
             strip = strip.apply_style(Style(underline=True))
         elif isinstance(row, RankRow) and row.highlighted:

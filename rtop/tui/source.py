@@ -186,6 +186,15 @@ class ReplaySource(Source):
             self._seek = ("step", float(step))
         self.wake.set()
 
+    def snapshot_at(self, seconds: float, ranks: list[int] | tuple[int, ...] = ()
+                    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+        """The snapshot (and these ranks' details) ``seconds`` into the recording,
+        computed synchronously: for screenshots, fixtures and tests."""
+        self._open()
+        self._advance(until=(self._t0 or 0.0) + seconds)
+        self.paused = True
+        return self._snapshot(), {r: self.state.rank_detail(r) for r in ranks}
+
     # ---- the player --------------------------------------------------------------------
 
     def _open(self) -> None:
