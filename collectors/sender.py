@@ -385,6 +385,8 @@ class Sender(threading.Thread):
             "seq": self._seq,
             "t_wall": time.time(),
             "dropped": self.dropped_total(),
+            # this thread's own CPU time: the hub shows rtop's cost to the job
+            "cpu_s": time.thread_time(),
         }
         if include_meta:
             payload["meta"] = self._meta()

@@ -276,3 +276,16 @@ def test_snapshot_groups_ranks_by_node(hub):
     nodes = snapshot(hub)["nodes"]
     assert nodes["node"] == ["node-a", "node-b"] and nodes["ranks"] == [2, 1]
     assert nodes["step_s"] == pytest.approx([0.2, 0.3])  # the slowest rank of each node
+
+
+def test_collectors_own_cpu_is_shown_per_rank(hub):
+    """Each batch carries the sender thread's CPU time; the hub turns it into a share of
+    a core, so the UI can say what rtop costs the job."""
+    c = RankClient(hub.address, hub.token, rank=0)
+    c.batch(steps=[step_row(0)], cpu_s=2.000)
+    time.sleep(1.2)
+    c.batch(steps=[step_row(1)], cpu_s=2.012)
+    assert wait_for(lambda: snapshot(hub)["ranks"]["rtop_cpu"][0] is not None)
+    share = snapshot(hub)["ranks"]["rtop_cpu"][0]
+    assert 0.012 / 1.6 < share < 0.012 / 1.1
+    c.close()

@@ -100,6 +100,10 @@ class RankState:
     #: the rank's wall time at its WARMUP_STEPS-th step: memory grows while a process
     #: warms up (allocator, loader workers, caches), which is no trend to extrapolate
     warm_wall: float | None = None
+    #: the collector's own CPU use, as a share of one core (from its sender thread's CPU
+    #: time between batches at least a second apart)
+    rtop_cpu: float | None = None
+    cpu_mark: tuple[float, float] | None = None  # (cpu_s, t_hub) of the last estimate
 
     @property
     def rank(self) -> int:
@@ -369,6 +373,14 @@ class RunState:
         dropped = p.get("dropped")
         if isinstance(dropped, int):
             rs.dropped = dropped
+        cpu = p.get("cpu_s")
+        if isinstance(cpu, (int, float)) and not isinstance(cpu, bool):
+            mark = rs.cpu_mark
+            if mark is None or cpu < mark[0]:
+                rs.cpu_mark = (float(cpu), t_hub)
+            elif t_hub - mark[1] >= 1.0:
+                rs.rtop_cpu = (cpu - mark[0]) / (t_hub - mark[1])
+                rs.cpu_mark = (float(cpu), t_hub)
         rs.last_seen = t_hub
         if rs.status == "lost":
             rs.status, rs.lost_at = "active", None
@@ -447,6 +459,7 @@ class RunState:
             "step": [r.last_step for r in ranks],
             "last_seen_s": [round(now - r.last_seen, 3) for r in ranks],
             "dropped": [r.dropped for r in ranks],
+            "rtop_cpu": [r.rtop_cpu for r in ranks],
             "offset_s": [r.offset_s for r in ranks],
             "phase": [r.phase for r in ranks],
             "mem_device": [r.mem_device for r in ranks],

@@ -57,7 +57,9 @@ class JobHeader(Static):
         eff_style = "" if j.efficiency is None or j.efficiency >= 0.6 else "bold yellow"
         line2.append(" · efficiency ")
         line2.append(fmt_pct(j.efficiency, 100), eff_style)
-        line2.append(f" · rtop: {j.dropped} dropped", "dim" if not j.dropped else "yellow")
+        cost = f"{j.rtop_cpu:.1%} of a core per rank, " if j.rtop_cpu is not None else ""
+        line2.append(f" · rtop: {cost}{j.dropped} dropped",
+                     "dim" if not j.dropped else "yellow")
         if j.bad_frames:
             line2.append(f", {j.bad_frames} bad frames", "yellow")
         self.update(Text("\n").join([line1, line2]))

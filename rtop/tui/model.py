@@ -278,6 +278,7 @@ class JobFigures:
     bad_frames: int
     active: int
     lost: int
+    rtop_cpu: float | None = None  # median share of a core the collectors use per rank
 
 
 def job_figures(snap: dict[str, Any]) -> JobFigures:
@@ -304,12 +305,14 @@ def job_figures(snap: dict[str, Any]) -> JobFigures:
         if pairs:
             eff = statistics.median(c / (c + e) for c, e in pairs)
     dropped = sum(int(d) for d in cols.get("dropped") or [] if isinstance(d, int))
+    cpus = [v for v in (num(x) for x in cols.get("rtop_cpu") or []) if v is not None]
     return JobFigures(
         str(run.get("job") or "(unnamed job)"), int(run.get("world_size") or 0),
         int(run.get("ranks_seen") or 0), run.get("attempt"), int(run.get("attempts") or 0),
         float(run.get("uptime_s") or 0.0), rate, sps if any_samples else None, eff, dropped,
         int(run.get("bad_frames") or 0), sum(s == "active" for s in status),
-        sum(s in ("lost", "failed") for s in status))
+        sum(s in ("lost", "failed") for s in status),
+        statistics.median(cpus) if cpus else None)
 
 
 def memory_split(detail: dict[str, Any]) -> dict[str, float] | None:
