@@ -1,45 +1,528 @@
-"""``rtop demo``: a real instrumented DDP job with an injected fault, and rtop's report.
+"""``rtop demo``: a real Ray Train job with an injected fault, watched by rtop.
 
-The job runs as local processes (real DDP over gloo on CPU, a small MLP on synthetic
-data); a hub on a thread of this process receives the ranks' streams and records the
-run; at the end the recording's report is printed. (The terminal UI takes over the
-live view once it exists.)
+The job is a Ray Train ``TorchTrainer`` on CPU: ``N`` workers, real DDP over gloo, the
+small MLP of :mod:`rtop.workload` on synthetic data, every rank instrumented with
+``collectors``. A hub runs on a thread of this process (and records the run); the
+ranks find it through ``RTOP_HUB``/``RTOP_TOKEN`` in Ray's runtime environment. After
+about 40 healthy steps the fault starts on rank 1.
+
+With a terminal, the live view (:func:`rtop.tui.attach`) takes the screen while the job
+runs; ``--headless`` prints a progress line every few seconds instead and, at the end,
+the report of the recording. Ray itself is kept quiet: no dashboard, no worker output
+forwarded to this terminal, its loggers at ERROR.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import shutil
+import statistics
+import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rtop.hub.service import ThreadedHub
-from rtop.report import build_report, format_text
-from rtop.workload import Faults, WorkloadSpec, run_local
+from rtop.workload import Faults, WorkloadSpec
 
-FAULTS = {
-    "none": Faults(),
-    "starved": Faults(loader_sleep_s={1: 0.040}),
-    "straggler": Faults(extra_compute_s={1: 0.030}),
-    "memory": Faults(mem_grow_bytes_per_step={1: 8 * 1024 * 1024}),
+#: Healthy steps before the fault starts on rank 1.
+FAULT_STEP = 40
+#: The rank the fault is injected on.
+FAULT_RANK = 1
+#: The memory the ``memory`` demo tells rank probes their device has (a rehearsal of a
+#: small device: a Ray worker here starts near 0.6 GB of RSS).
+MEMORY_CAPACITY_BYTES = 2_000_000_000
+#: How much rank 1 keeps per step in the ``memory`` demo (~15 MB/s at ~30 steps/s).
+MEMORY_GROW_BYTES = 512 << 10
+
+#: The workload: mostly compute when healthy (see tests/scenarios.py BASE).
+WORKLOAD: dict[str, Any] = {"batch": 768, "dim": 256, "hidden": 512, "layers": 3}
+
+
+@dataclass(frozen=True)
+class DemoFault:
+    """One fault the demo can inject: what it does, and what rtop should call it."""
+
+    description: str
+    faults: Faults
+    expect: str | None  # the finding's kind
+    probe_settings: dict[str, Any] = field(default_factory=dict)
+
+
+FAULTS: dict[str, DemoFault] = {
+    "starved": DemoFault(
+        "rank 1's data loader sleeps 40 ms per batch",
+        Faults(loader_sleep_s={FAULT_RANK: 0.040}, start_step=FAULT_STEP), "starved_rank"),
+    "straggler": DemoFault(
+        "rank 1 computes 30 ms more per step",
+        Faults(extra_compute_s={FAULT_RANK: 0.030}, start_step=FAULT_STEP), "straggler"),
+    "memory": DemoFault(
+        f"rank 1 keeps {MEMORY_GROW_BYTES >> 10} KiB more every step "
+        f"(on a rehearsed {MEMORY_CAPACITY_BYTES / 1e9:.0f} GB device)",
+        Faults(mem_grow_bytes_per_step={FAULT_RANK: MEMORY_GROW_BYTES},
+               start_step=FAULT_STEP), "memory_wall",
+        {"memory_capacity_bytes": MEMORY_CAPACITY_BYTES}),
+    "hang": DemoFault(
+        "rank 1 stops inside a step (its peers wait in the allreduce)",
+        Faults(hang_at_step={FAULT_RANK: FAULT_STEP}, start_step=FAULT_STEP), "hung_rank",
+        {"stack_after_s": 2.0}),
+    "none": DemoFault("no fault: a healthy job", Faults(), None),
 }
 
+#: Seconds Ray and its workers get to start before the headless demo gives up.
+STARTUP_TIMEOUT_S = 180.0
+#: Seconds the ranks get to leave their loop together after a stop was asked for,
+#: before Ray is shut down under them.
+STOP_GRACE_S = 8.0
 
-def run(fault: str = "starved", world_size: int = 3, steps: int = 80,
-        record: str | None = None) -> int:
-    """Run the demo job and print rtop's report of it; returns an exit code."""
-    with tempfile.TemporaryDirectory(prefix="rtop-demo-") as tmp:
-        path = Path(record) if record else Path(tmp) / "demo.rtop"
-        hub = ThreadedHub(job=f"demo-{fault}", record=str(path)).start()
-        spec = WorkloadSpec(world_size=world_size, steps=steps, batch=64, dim=256,
-                            hidden=512, hub=hub.address, token=hub.token,
-                            faults=FAULTS[fault])
-        print(f"rtop demo: {world_size} ranks, real DDP over gloo on CPU, {steps} steps, "
-              f"fault: {fault}{' on rank 1' if fault != 'none' else ''}; hub {hub.address}",
-              flush=True)
+
+class _StoppableSpec:
+    """A :class:`WorkloadSpec` whose ``duration_s`` drops to 0 once ``stop_file`` exists.
+
+    The training loop checks ``duration_s`` every 20 steps with an allreduce, so every
+    rank leaves at the same step and closes its probe properly.
+    """
+
+    def __init__(self, spec: WorkloadSpec, stop_file: str) -> None:
+        self._spec = spec
+        self._stop_file = stop_file
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._spec, name)
+
+    @property
+    def duration_s(self) -> float | None:
+        """The spec's duration, or 0 once a stop was asked for."""
+        if os.path.exists(self._stop_file):
+            return 0.0
+        return self._spec.duration_s
+
+
+def demo_train_loop(config: dict[str, Any]) -> None:
+    """The per-worker function: :func:`rtop.workload.ray_train_loop`, stoppable early.
+
+    ``config``: ``spec`` (a :class:`WorkloadSpec` as JSON) and ``stop_file`` (its
+    appearance ends the run at the next 20-step boundary).
+    """
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from rtop.workload import build_model, train_loop
+
+    spec = WorkloadSpec.from_json(config["spec"])
+    torch.set_num_threads(spec.threads)
+    probe = None
+    if spec.instrument:
+        import collectors
+
+        probe = collectors.start(hub=spec.hub, token=spec.token, **spec.probe_settings)
+    model = ray.train.torch.prepare_model(build_model(spec))
+    rank = ray.train.get_context().get_world_rank()
+    stoppable: Any = _StoppableSpec(spec, config["stop_file"])
+    try:
+        train_loop(rank, stoppable, model, probe)
+    finally:
+        if probe is not None:
+            probe.close()
+
+
+_RAY_LOGGERS = ("ray", "ray.train", "ray.data", "ray.tune")
+
+
+def _quiet_ray() -> None:
+    """Keep Ray's own messages off the terminal (before ``ray`` is imported)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for name in _RAY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def logs_to_file(path: str | Path) -> Iterator[None]:
+    """Send every log record (and Python warnings) that would reach the terminal to
+    ``path`` instead, while a full-screen view owns the terminal. The file is only
+    created if something is logged."""
+    handler = logging.FileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    loggers = [root] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                        if isinstance(lg, logging.Logger)]
+    swapped: list[tuple[logging.Logger, list[logging.Handler]]] = []
+    for lg in loggers:
+        to_terminal = [h for h in lg.handlers if isinstance(h, logging.StreamHandler)
+                       and not isinstance(h, logging.FileHandler)]
+        if to_terminal or lg is root:
+            swapped.append((lg, list(lg.handlers)))
+            lg.handlers = [h for h in lg.handlers if h not in to_terminal]
+            if lg is root or not lg.propagate:
+                lg.handlers.append(handler)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        for lg, handlers in swapped:
+            lg.handlers = handlers
+        handler.close()
+
+
+class DemoJob:
+    """A hub on a thread of this process and a Ray Train job reporting to it.
+
+    ``start()`` returns once the hub listens (``address``, ``token`` and
+    ``record_path`` are then set); Ray starts and the job runs on a background thread.
+    ``wait()`` waits for the job to end, ``stop()`` ends it early and shuts Ray down;
+    ``error`` holds what went wrong, if anything did.
+    """
+
+    def __init__(self, fault: str = "starved", workers: int = 3, duration_s: float = 300.0,
+                 record: str | None = None) -> None:
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
+        if not 2 <= workers <= 4:
+            raise ValueError("workers must be 2 to 4")
+        self.fault = fault
+        self.workers = workers
+        self.duration_s = duration_s
+        self.job_name = f"demo-{fault}"
+        self._record = record
+        self._hub: ThreadedHub | None = None
+        self._thread: threading.Thread | None = None
+        self._tmp: str | None = None
+        self._stop_file = ""
+        self._stopping = threading.Event()
+        self._done = threading.Event()
+        self._ray_lock = threading.Lock()
+        self._ray_up = False
+        self._preexisting: set[int] = set()
+        self.error: BaseException | None = None
+        self.started_at: float | None = None
+
+    # ---- what a viewer needs ------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the demo's hub."""
+        return self._hub.address if self._hub else ""
+
+    @property
+    def token(self) -> str:
+        """The hub's token."""
+        return self._hub.token if self._hub else ""
+
+    @property
+    def record_path(self) -> str | None:
+        """Where the hub records the run."""
+        return self._hub.record_path if self._hub else None
+
+    @property
+    def hub(self) -> ThreadedHub:
+        """The running hub (after :meth:`start`)."""
+        if self._hub is None:
+            raise RuntimeError("the demo job has not started")
+        return self._hub
+
+    @property
+    def running(self) -> bool:
+        """Whether the job has started and not ended yet."""
+        return self._thread is not None and not self._done.is_set()
+
+    def title(self) -> str:
+        """A one-line description of the job, for a title bar."""
+        what = FAULTS[self.fault].description
+        if self.fault != "none":
+            what = f"fault: {what} from step {FAULT_STEP}"
+        return f"rtop demo: Ray Train, {self.workers} workers, DDP over gloo on CPU; {what}"
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> DemoJob:
+        """Start the hub, then Ray and the training job on a background thread."""
+        from collectors.discovery import runtime_dir
+
+        self._tmp = tempfile.mkdtemp(prefix="rtop-demo-")
+        self._stop_file = str(Path(self._tmp, "stop"))
+        discovery: str | None
         try:
-            run_local(spec, timeout_s=600)
+            discovery = str(runtime_dir() / f"hub-{self.job_name}-{os.getpid()}.json")
+        except OSError:
+            discovery = None
+        self._hub = ThreadedHub(job=self.job_name, record=self._record,
+                                discovery_file=discovery).start()
+        self.started_at = time.time()
+        self._thread = threading.Thread(target=self._run, name="rtop-demo-job", daemon=True)
+        self._thread.start()
+        return self
+
+    def _spec(self) -> WorkloadSpec:
+        demo = FAULTS[self.fault]
+        return WorkloadSpec(world_size=self.workers, duration_s=self.duration_s,
+                            hub=self.address, token=self.token, faults=demo.faults,
+                            probe_settings=dict(demo.probe_settings), **WORKLOAD)
+
+    def _run(self) -> None:
+        try:
+            _quiet_ray()
+            import ray
+            from ray.train import RunConfig, ScalingConfig
+            from ray.train.torch import TorchConfig, TorchTrainer
+
+            with self._ray_lock:
+                if self._stopping.is_set():
+                    return
+                self._preexisting = {c.pid for c in _descendants()}
+                ray.init(address="local", num_cpus=self.workers, include_dashboard=False,
+                         log_to_driver=False, logging_level=logging.ERROR,
+                         configure_logging=True,
+                         runtime_env={"env_vars": {"RTOP_HUB": self.address,
+                                                   "RTOP_TOKEN": self.token,
+                                                   "RTOP_AUTOHUB": "0"}})
+                self._ray_up = True
+            for name in _RAY_LOGGERS:
+                logging.getLogger(name).setLevel(logging.ERROR)
+            if self._stopping.is_set() or self._tmp is None:
+                return
+            trainer = TorchTrainer(
+                demo_train_loop,
+                train_loop_config={"spec": self._spec().to_json(),
+                                   "stop_file": self._stop_file},
+                torch_config=TorchConfig(backend="gloo"),
+                scaling_config=ScalingConfig(num_workers=self.workers, use_gpu=False),
+                run_config=RunConfig(storage_path=str(Path(self._tmp, "ray")),
+                                     name=self.job_name),
+            )
+            trainer.fit()
+        except BaseException as exc:
+            if not self._stopping.is_set():  # what stopping does to a job is our doing
+                self.error = exc
         finally:
-            hub.stop()
-        print(format_text(build_report(path)))
-        if record:
-            print(f"\nrecording kept at {path}")
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the job to end; whether it has."""
+        if self._thread is None:
+            return True
+        return self._done.wait(timeout)
+
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+        """End the job (the ranks leave together), shut Ray down and close the hub.
+
+        Ranks that do not leave within ``timeout`` seconds (a hung rank, say) are ended
+        by shutting Ray down under them. Safe to call more than once.
+        """
+        self._stopping.set()
+        if self._stop_file:
+            with contextlib.suppress(OSError):
+                Path(self._stop_file).touch()
+        if self._thread is not None:
+            self._done.wait(timeout)
+        with self._ray_lock:
+            if self._ray_up:
+                self._shutdown_ray()
+                self._ray_up = False
+        if self._thread is not None:
+            self._thread.join(15.0)
+        if self._hub is not None:
+            self._hub.stop()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def _shutdown_ray(self) -> None:
+        """``ray.shutdown()``, then make sure every process Ray started here is gone.
+
+        Ray's dashboard and runtime-env agents sometimes outlive their raylet (they log
+        that it died and stay); they, and only they, are ended by their process ids.
+        """
+        import ray
+
+        started = [p for p in _descendants() if p.pid not in self._preexisting]
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        _end_processes(started)
+
+    # ---- what the hub sees --------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The hub's current snapshot (ranks and live findings)."""
+        snap: dict[str, Any] = self.hub.call(lambda h: h.snapshot())
+        return snap
+
+    def findings(self) -> list[dict[str, Any]]:
+        """The hub's live findings."""
+        found: list[dict[str, Any]] = self.hub.call(lambda h: list(h._findings))
+        return found
+
+
+def _descendants() -> list[Any]:
+    """This process's children and their children (``psutil.Process`` objects)."""
+    import psutil
+
+    try:
+        return list(psutil.Process().children(recursive=True))
+    except psutil.Error:
+        return []
+
+
+def _end_processes(procs: list[Any], grace_s: float = 5.0) -> None:
+    """Wait up to ``grace_s`` for ``procs`` to exit; terminate, then kill, the rest.
+
+    A zombie counts as gone: an orphan's exit status is for its new parent to collect.
+    """
+    import psutil
+
+    def alive(proc: Any) -> bool:
+        try:
+            return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
+
+    def wait(left: list[Any], seconds: float) -> list[Any]:
+        end = time.monotonic() + seconds
+        while True:
+            left = [p for p in left if alive(p)]
+            if not left or time.monotonic() >= end:
+                return left
+            time.sleep(0.1)
+
+    left = wait(procs, grace_s)
+    for sig in ("terminate", "kill"):
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                getattr(proc, sig)()
+        left = wait(left, 2.0)
+        if not left:
+            return
+
+
+def progress_line(job: DemoJob, snap: dict[str, Any]) -> str:
+    """One line of where the job stands: ranks, step, step time, live findings."""
+    elapsed = time.time() - (job.started_at or time.time())
+    cols = snap.get("ranks") or {}
+    ranks = cols.get("rank") or []
+    if not ranks:
+        return f"{elapsed:5.0f} s  starting Ray and {job.workers} workers…"
+    steps = [s for s in cols.get("step", []) if isinstance(s, int) and s >= 0]
+    step_s = [s for s in cols.get("step_s", []) if isinstance(s, (int, float))]
+    ms = f"{statistics.median(step_s) * 1e3:.0f} ms/step" if step_s else "-- ms/step"
+    found = ", ".join(f"{f['kind']} on rank{'s' if len(f['ranks']) > 1 else ''} "
+                      f"{','.join(str(r) for r in f['ranks'])}"
+                      for f in snap.get("findings") or []) or "none"
+    step = str(max(steps)) if steps else "--"
+    return (f"{elapsed:5.0f} s  {len(ranks)}/{job.workers} ranks  step {step:>5}  {ms:>12}"
+            f"  findings: {found}")
+
+
+def run_headless(job: DemoJob, every_s: float = 5.0, out: Any = None) -> int:
+    """Run ``job`` to its end, printing progress, then the report; an exit code."""
+    from collectors.wire import WireError
+    from rtop.report import build_report, format_text
+
+    out = out or sys.stdout
+    # the progress lines name the live findings; the hub's own log of them would repeat it
+    logging.getLogger("rtop.hub").setLevel(logging.ERROR)
+    print(job.title(), file=out, flush=True)
+    job.start()
+    print(f"hub {job.address}  recording {job.record_path}", file=out, flush=True)
+    deadline: float | None = None  # set once the ranks step: the duration plus slack
+    began = time.monotonic()
+    no_ranks = False
+    try:
+        next_line = began + every_s
+        while not job.wait(0.5):
+            now = time.monotonic()
+            if deadline is None and now - began > STARTUP_TIMEOUT_S:
+                no_ranks = True
+                break
+            if now >= next_line:
+                next_line = now + every_s
+                try:
+                    snap = job.snapshot()
+                except Exception:
+                    continue
+                print(progress_line(job, snap), file=out, flush=True)
+                if deadline is None and (snap.get("ranks") or {}).get("rank"):
+                    deadline = now + job.duration_s + 10.0
+            if deadline is not None and now > deadline:
+                break  # a rank that never returns (hang): stop it ourselves
+    except KeyboardInterrupt:
+        print("interrupted; stopping the job", file=out, flush=True)
+    finally:
+        _stop_uninterrupted(job)
+    if job.error is not None:
+        print(f"rtop demo: the Ray Train job failed: {_describe(job.error)}", file=sys.stderr)
+        return 1
+    if no_ranks:
+        print(f"rtop demo: no rank reported to the hub within {STARTUP_TIMEOUT_S:.0f} s of "
+              "starting; Ray or its workers did not come up", file=sys.stderr)
+        return 1
+    path = job.record_path
+    if path is None:
+        return 0
+    print(file=out)
+    try:
+        print(format_text(build_report(path)), file=out, flush=True)
+    except (OSError, WireError) as exc:
+        print(f"rtop demo: cannot read the recording {path}: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def run_tui(job: DemoJob) -> int:
+    """Start ``job``, hand the terminal to the live view, stop the job when it returns."""
+    from rtop.tui import attach
+
+    job.start()
+    log_path = f"{job.record_path}.log" if job.record_path else os.devnull
+    try:
+        with logs_to_file(log_path):
+            code = attach(job.address, job.token, title=job.title())
+    finally:
+        _stop_uninterrupted(job)
+    if job.error is not None:
+        print(f"rtop demo: the Ray Train job failed: {_describe(job.error)}", file=sys.stderr)
+        return 1
+    if job.record_path:
+        print(f"rtop demo: recorded to {job.record_path}\n"
+              f"  see its report with: rtop report {job.record_path}")
+    if log_path != os.devnull and os.path.exists(log_path):
+        print(f"  what was logged meanwhile: {log_path}")
+    return int(code or 0)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+
+
+def run(fault: str = "starved", workers: int = 3, *, headless: bool = False,
+        duration_s: float = 300.0, record: str | None = None) -> int:
+    """``rtop demo``: run the demo job, live or headless; returns an exit code."""
+    job = DemoJob(fault, workers, duration_s, record)
+    try:
+        return run_headless(job) if headless else run_tui(job)
+    except KeyboardInterrupt:  # before the job was running, or while it started
+        _stop_uninterrupted(job)
+        print("rtop demo: interrupted", file=sys.stderr)
+        return 130
+
+
+def _stop_uninterrupted(job: DemoJob) -> None:
+    """``job.stop()``, ignoring further Ctrl-C meanwhile (a half-stopped Ray would
+    leave processes behind)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        job.stop()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        job.stop()
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -252,11 +252,14 @@ class RunState:
 
     # ---- frames ---------------------------------------------------------------------
 
-    def apply(self, frame: wire.Frame, t_hub: float) -> RankState | None:
+    def apply(self, frame: wire.Frame, t_hub: float, history: bool = True
+              ) -> RankState | None:
         """Apply one frame received (or replayed) at hub time ``t_hub``.
 
         Returns the rank the frame belongs to, if any. Raises :class:`ProtocolError` for
-        a frame whose content breaks the protocol.
+        a frame whose content breaks the protocol. ``history=False`` keeps the ranks'
+        state and latest values but not the rolling windows: a replay seeking far ahead
+        skips what newer frames would push out of the windows anyway.
         """
         if t_hub > self.now:
             self.now = t_hub
@@ -266,7 +269,7 @@ class RunState:
         kind, p = frame.kind, frame.payload
         if kind == wire.KIND_BATCH:
             rs = self._rank_of(p)
-            self.on_batch(rs, p, t_hub)
+            self.on_batch(rs, p, t_hub, history)
             return rs
         if kind == wire.KIND_HELLO:
             return self.on_hello(p, t_hub)
@@ -327,7 +330,8 @@ class RunState:
         att.world_size = max(att.world_size, ident.world_size)
         return rs
 
-    def on_batch(self, rs: RankState, p: dict[str, Any], t_hub: float) -> None:
+    def on_batch(self, rs: RankState, p: dict[str, Any], t_hub: float,
+                 history: bool = True) -> None:
         """Records from a rank (validated before anything is stored)."""
         steps = _check_rows("steps", p.get("steps") or [], len(STEP_FIELDS))
         gpu = _check_rows("gpu", p.get("gpu") or [], len(GPU_FIELDS))
@@ -335,7 +339,7 @@ class RunState:
         mem = _check_rows("mem", p.get("mem") or [], len(MEM_FIELDS))
         hbs = _check_rows("hb", p.get("hb") or [], len(HEARTBEAT_FIELDS))
         slot = rs.slot
-        if slot is not None:
+        if slot is not None and history:
             for row in steps:
                 self.steps.append(slot, [_num(row[j]) for j in _STEP_PICK])
         if steps:
@@ -358,7 +362,7 @@ class RunState:
                 dev = mem[-1][_MEM["device"]]
                 rs.mem_device = dev if isinstance(dev, str) else None
             if slot is not None:
-                self._samples(slot, gpu, host, mem)
+                self._samples(slot, gpu, host, mem, history)
         for hb in hbs:
             rs.hb = hb
             if hb[_HB["stack"]]:
@@ -387,7 +391,7 @@ class RunState:
         rs.connected = True
 
     def _samples(self, slot: int, gpu: list[list[Any]], host: list[list[Any]],
-                 mem: list[list[Any]]) -> None:
+                 mem: list[list[Any]], history: bool = True) -> None:
         latest = self.latest[slot]
         n_gpu, n_host = len(GPU_FIELDS) - 1, len(HOST_FIELDS) - 1
         if gpu:
@@ -396,6 +400,8 @@ class RunState:
             latest[n_gpu:n_gpu + n_host] = [_num(v) for v in host[-1][1:]]
         if mem:
             latest[n_gpu + n_host:-1] = [_num(v) for v in mem[-1][2:]]
+        if not history:
+            return
         for i in range(max(len(gpu), len(host), len(mem))):
             g = gpu[i] if i < len(gpu) else None
             h = host[i] if i < len(host) else None

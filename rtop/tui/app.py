@@ -7,6 +7,7 @@ the tests, the screenshot script and the benchmarks all call.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from typing import Any, ClassVar
@@ -14,6 +15,7 @@ from typing import Any, ClassVar
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Input, Static
 
 from rtop.tui.detail import RankScreen
@@ -138,6 +140,10 @@ class RtopApp(App[int]):
         """Draw a new snapshot everywhere it shows."""
         if not self.screen_stack:  # shutting down
             return
+        with contextlib.suppress(NoMatches):  # the widgets are gone: the app is closing
+            self._draw(message)
+
+    def _draw(self, message: SnapshotReceived) -> None:
         snap = message.snapshot
         ov = snap.get("overview") or {}
         if ov.get("scaling"):
@@ -165,7 +171,10 @@ class RtopApp(App[int]):
         """Show what the source is doing (and errors, loudly)."""
         if not self.screen_stack:  # shutting down
             return
-        header = self.query_one(JobHeader)
+        try:
+            header = self.query_one(JobHeader)
+        except NoMatches:
+            return
         header.source_text, header.source_error = message.text, message.error
         header.show(self.snapshot)
         if message.error:

@@ -29,7 +29,7 @@ class JobHeader(Static):
         if snap is None:
             line1.append(self.source_text or "connecting…",
                          "bold red" if self.source_error else "dim")
-            self.update(line1)
+            self.update(line1, layout=False)
             return
         j = job_figures(snap)
         line1.append(j.job, "bold cyan")
@@ -62,4 +62,4 @@ class JobHeader(Static):
                      "dim" if not j.dropped else "yellow")
         if j.bad_frames:
             line2.append(f", {j.bad_frames} bad frames", "yellow")
-        self.update(Text("\n").join([line1, line2]))
+        self.update(Text("\n").join([line1, line2]), layout=False)

@@ -67,6 +67,11 @@ BADGE_STYLE = {
 }
 
 
+#: cells kept free on the right for the table's vertical scrollbar, so the header and the
+#: rows choose the same columns whether or not a scrollbar shows
+SCROLLBAR = 2
+
+
 def fit_columns(width: int) -> list[Column]:
     """The columns that fit ``width`` cells, dropping the least important first."""
     cols = list(COLUMNS)
@@ -188,7 +193,7 @@ class RanksHeader(Static):
         from rich.text import Text
 
         text = Text(no_wrap=True, overflow="crop")
-        for c in fit_columns(self.size.width or 80):
+        for c in fit_columns((self.size.width or 80) - SCROLLBAR):
             title = c.title
             if c.sort == self.sort_key:
                 title = ("▼" if not self.reverse else "▲") + title
@@ -204,7 +209,7 @@ class RanksHeader(Static):
     def on_click(self, event: Click) -> None:
         """Sort by the clicked column."""
         x = 0
-        for c in fit_columns(self.size.width or 80):
+        for c in fit_columns((self.size.width or 80) - SCROLLBAR):
             if x <= event.x < x + c.width + 1:
                 self.post_message(self.SortClicked(c.sort))
                 return
@@ -247,7 +252,7 @@ class RanksView(ScrollView, can_focus=True):
         self.cursor = 0
         self._key: Any = None  # what the cursor is on, kept across updates
         self.pinned = False  # until the user moves, the cursor stays on the top line
-        self._cols: list[Column] = fit_columns(80)
+        self._cols: list[Column] = fit_columns(80 - SCROLLBAR)
 
     @staticmethod
     def _key_of(row: RankRow | NodeRow) -> Any:
@@ -263,7 +268,7 @@ class RanksView(ScrollView, can_focus=True):
                     break
         self.cursor = max(0, min(self.cursor, len(rows) - 1))
         self._key = self._key_of(rows[self.cursor]) if rows else None
-        self.virtual_size = Size(self.size.width, len(rows))
+        self.virtual_size = Size(0, len(rows))  # lines fit the width: no sideways scrolling
         self.refresh()
 
     @property
@@ -273,13 +278,13 @@ class RanksView(ScrollView, can_focus=True):
 
     def on_resize(self) -> None:
         """Columns depend on the width."""
-        self._cols = fit_columns(self.size.width)
-        self.virtual_size = Size(self.size.width, len(self.rows))
+        self._cols = fit_columns(self.size.width - SCROLLBAR)
+        self.virtual_size = Size(0, len(self.rows))
 
     def render_line(self, y: int) -> Strip:
         """Build only the line asked for."""
         i = self.scroll_offset.y + y
-        width = self.size.width
+        width = self.scrollable_content_region.width
         if i >= len(self.rows):
             return Strip.blank(width, _PLAIN)
         row = self.rows[i]

@@ -8,6 +8,7 @@ the same snapshot shape as the hub (``RunState.snapshot()`` plus ``findings``,
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 import time
@@ -152,6 +153,9 @@ class ReplaySource(Source):
     live = False
     TICK_S = 0.25
     ANALYSIS_EVERY_S = 0.5
+    #: seeking: frames older than this before the target skip the rolling windows
+    #: (they would be pushed out by newer ones; 1,200 steps at 2 steps/s is 600 s)
+    HISTORY_S = 900.0
 
     def __init__(self, path: str | Path, thresholds: AnalysisConfig | None = None,
                  speed: float = 1.0, paused: bool = False) -> None:
@@ -222,6 +226,7 @@ class ReplaySource(Source):
     def _advance(self, until: float | None, step: int | None = None,
                  analyse_from: float = 0.0) -> None:
         """Apply frames up to hub time ``until`` (or until a rank reaches ``step``)."""
+        full_from = -math.inf if until is None else until - self.HISTORY_S
         while True:
             nxt = self._peek()
             if nxt is None:
@@ -233,7 +238,7 @@ class ReplaySource(Source):
                 break
             self._next = None
             try:
-                self.state.apply(frame, t)
+                self.state.apply(frame, t, history=t >= full_from)
             except ProtocolError:
                 self.state.bad_frames += 1
             self._now = max(self._now, t)

@@ -61,7 +61,7 @@ def _make_server(command: str, host: str, port: int) -> Any:
     from aiohttp import web
     from textual_serve.server import Server
 
-    class RtopServer(Server):  # type: ignore[misc]
+    class RtopServer(Server):
         """textual-serve's Server, plus a shutdown that leaves no session behind."""
 
         def __init__(self) -> None:
@@ -74,7 +74,7 @@ def _make_server(command: str, host: str, port: int) -> Any:
             assert task is not None
             self._sessions.add(task)
             try:
-                return await super().handle_websocket(request)  # type: ignore[no-any-return]
+                return await super().handle_websocket(request)
             finally:
                 self._sessions.discard(task)
 
