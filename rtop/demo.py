@@ -243,7 +243,13 @@ class DemoJob:
     # ---- lifecycle ----------------------------------------------------------------
 
     def start(self) -> DemoJob:
-        """Start the hub, then Ray and the training job on a background thread."""
+        """Start the hub and Ray (here, in the calling thread: Ray ties the lifetime of
+        its processes to the thread that started them, and wants the real terminal's
+        file descriptors), then the training job on a background thread.
+
+        Raises ``RuntimeError`` if the hub or Ray does not start; nothing is left
+        running then.
+        """
         from collectors.discovery import runtime_dir
 
         self._tmp = tempfile.mkdtemp(prefix="rtop-demo-")
@@ -253,12 +259,37 @@ class DemoJob:
             discovery = str(runtime_dir() / f"hub-{self.job_name}-{os.getpid()}.json")
         except OSError:
             discovery = None
-        self._hub = ThreadedHub(job=self.job_name, record=self._record,
-                                discovery_file=discovery).start()
+        try:
+            self._hub = ThreadedHub(job=self.job_name, record=self._record,
+                                    discovery_file=discovery).start()
+        except Exception as exc:
+            self.stop()
+            raise RuntimeError(f"the hub did not start: {_describe(exc)}") from exc
         self.started_at = time.time()
+        try:
+            self._start_ray()
+        except Exception as exc:
+            self.stop()
+            raise RuntimeError(f"Ray did not start: {_describe(exc)}") from exc
         self._thread = threading.Thread(target=self._run, name="rtop-demo-job", daemon=True)
         self._thread.start()
         return self
+
+    def _start_ray(self) -> None:
+        _quiet_ray()
+        import ray
+
+        with self._ray_lock:
+            self._preexisting = {c.pid for c in _descendants()}
+            self._ray_up = True  # from here on, stop() shuts Ray down
+            ray.init(address="local", num_cpus=self.workers, include_dashboard=False,
+                     log_to_driver=False, logging_level=logging.ERROR,
+                     configure_logging=True,
+                     runtime_env={"env_vars": {"RTOP_HUB": self.address,
+                                               "RTOP_TOKEN": self.token,
+                                               "RTOP_AUTOHUB": "0"}})
+        for name in _RAY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
 
     def _spec(self) -> WorkloadSpec:
         demo = FAULTS[self.fault]
@@ -266,38 +297,26 @@ class DemoJob:
                             hub=self.address, token=self.token, faults=demo.faults,
                             probe_settings=dict(demo.probe_settings), **WORKLOAD)
 
+    def _fit(self) -> None:
+        """Run the Ray Train job to its end (raises what ``fit()`` raises)."""
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        assert self._tmp is not None
+        trainer = TorchTrainer(
+            demo_train_loop,
+            train_loop_config={"spec": self._spec().to_json(), "stop_file": self._stop_file},
+            torch_config=TorchConfig(backend="gloo"),
+            scaling_config=ScalingConfig(num_workers=self.workers, use_gpu=False),
+            run_config=RunConfig(storage_path=str(Path(self._tmp, "ray")),
+                                 name=self.job_name),
+        )
+        trainer.fit()
+
     def _run(self) -> None:
         try:
-            _quiet_ray()
-            import ray
-            from ray.train import RunConfig, ScalingConfig
-            from ray.train.torch import TorchConfig, TorchTrainer
-
-            with self._ray_lock:
-                if self._stopping.is_set():
-                    return
-                self._preexisting = {c.pid for c in _descendants()}
-                ray.init(address="local", num_cpus=self.workers, include_dashboard=False,
-                         log_to_driver=False, logging_level=logging.ERROR,
-                         configure_logging=True,
-                         runtime_env={"env_vars": {"RTOP_HUB": self.address,
-                                                   "RTOP_TOKEN": self.token,
-                                                   "RTOP_AUTOHUB": "0"}})
-                self._ray_up = True
-            for name in _RAY_LOGGERS:
-                logging.getLogger(name).setLevel(logging.ERROR)
-            if self._stopping.is_set() or self._tmp is None:
-                return
-            trainer = TorchTrainer(
-                demo_train_loop,
-                train_loop_config={"spec": self._spec().to_json(),
-                                   "stop_file": self._stop_file},
-                torch_config=TorchConfig(backend="gloo"),
-                scaling_config=ScalingConfig(num_workers=self.workers, use_gpu=False),
-                run_config=RunConfig(storage_path=str(Path(self._tmp, "ray")),
-                                     name=self.job_name),
-            )
-            trainer.fit()
+            if not self._stopping.is_set():
+                self._fit()
         except BaseException as exc:
             if not self._stopping.is_set():  # what stopping does to a job is our doing
                 self.error = exc
@@ -407,7 +426,7 @@ def progress_line(job: DemoJob, snap: dict[str, Any]) -> str:
     cols = snap.get("ranks") or {}
     ranks = cols.get("rank") or []
     if not ranks:
-        return f"{elapsed:5.0f} s  starting Ray and {job.workers} workers…"
+        return f"{elapsed:5.0f} s  starting {job.workers} Ray Train workers…"
     steps = [s for s in cols.get("step", []) if isinstance(s, int) and s >= 0]
     step_s = [s for s in cols.get("step_s", []) if isinstance(s, (int, float))]
     ms = f"{statistics.median(step_s) * 1e3:.0f} ms/step" if step_s else "-- ms/step"
@@ -428,7 +447,9 @@ def run_headless(job: DemoJob, every_s: float = 5.0, out: Any = None) -> int:
     # the progress lines name the live findings; the hub's own log of them would repeat it
     logging.getLogger("rtop.hub").setLevel(logging.ERROR)
     print(job.title(), file=out, flush=True)
-    job.start()
+    print("starting Ray…", file=out, flush=True)
+    if not _start(job):
+        return 1
     print(f"hub {job.address}  recording {job.record_path}", file=out, flush=True)
     deadline: float | None = None  # set once the ranks step: the duration plus slack
     began = time.monotonic()
@@ -478,7 +499,9 @@ def run_tui(job: DemoJob) -> int:
     """Start ``job``, hand the terminal to the live view, stop the job when it returns."""
     from rtop.tui import attach
 
-    job.start()
+    print(f"{job.title()}\nstarting Ray…", flush=True)
+    if not _start(job):
+        return 1
     log_path = f"{job.record_path}.log" if job.record_path else os.devnull
     try:
         with logs_to_file(log_path):
@@ -494,6 +517,16 @@ def run_tui(job: DemoJob) -> int:
     if log_path != os.devnull and os.path.exists(log_path):
         print(f"  what was logged meanwhile: {log_path}")
     return int(code or 0)
+
+
+def _start(job: DemoJob) -> bool:
+    """Start ``job``; on failure say why on stderr and return False."""
+    try:
+        job.start()
+    except RuntimeError as exc:
+        print(f"rtop demo: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _describe(exc: BaseException) -> str:

@@ -281,8 +281,13 @@ def _straggler_cause(w: Window, i: int, peers: np.ndarray, cfg: AnalysisConfig
             causes.append(f"it has a different GPU ({w.gpu_name[i]}, the others {common})")
     cpu = lat["host_sys_cpu_pct"][i]
     peer_cpu = _nanmedian(lat["host_sys_cpu_pct"][peers])
+    load = lat["host_load_avg_1m"][i]
     if cpu == cpu and cpu >= 90 and (peer_cpu != peer_cpu or cpu > peer_cpu + 20):
         causes.append(f"its host's CPUs are saturated ({cpu:.0f}%)")
+    elif cpu == cpu and cpu >= 90:
+        causes.append(f"its host's CPUs are saturated ({cpu:.0f}%"
+                      + (f", load {load:.1f}" if load == load else "")
+                      + "): the processes there compete for cores")
     if not causes:
         return ("nothing in its own counters explains it: the work itself takes longer "
                 "there (uneven inputs, a noisy neighbour, a failing part)"), ev

@@ -293,7 +293,9 @@ class ReplaySource(Source):
             if rank is not None:
                 post(DetailReceived(self.state.rank_detail(rank)))
             self.wake.clear()
-            self.wake.wait(max(0.0, self.TICK_S - (time.monotonic() - t0)))
+            # paused or at the end, nothing moves: a snapshot a second (any key wakes us)
+            tick = self.TICK_S if not (self.paused or self.finished) else 1.0
+            self.wake.wait(max(0.0, tick - (time.monotonic() - t0)))
 
     def _do_seek(self, post: Post, what: str, value: float) -> None:
         where = f"step {int(value)}" if what == "step" else _hms(value)
