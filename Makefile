@@ -26,6 +26,8 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
+# A real Ray Train job (3 CPU workers, a starved rank 1) under the live view; e.g.
+# make demo DEMO_ARGS="--fault straggler"  or  DEMO_ARGS="--headless --duration 60"
 demo: $(STAMP)
 	$(VENV)/bin/rtop demo $(DEMO_ARGS)
 

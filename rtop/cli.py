@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="starved: slow data loader; straggler: slow compute; memory: "
                            "memory growing every step; hang: a rank stops; none: healthy "
                            "(default: starved)")
-    demo.add_argument("--workers", type=int, choices=[2, 3, 4], default=3, metavar="N",
-                      help="Ray Train workers (ranks), 2 to 4 (default 3)")
+    demo.add_argument("--workers", type=int, choices=[2, 3, 4], default=None, metavar="N",
+                      help="Ray Train workers (ranks), 2 to 4 (default 3, or 2 on a "
+                           "machine with fewer than 4 cores)")
     demo.add_argument("--headless", action="store_true",
                       help="no live view: print progress, then the recording's report")
     demo.add_argument("--duration", type=float, default=300.0, metavar="S",

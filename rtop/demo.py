@@ -38,8 +38,11 @@ FAULT_RANK = 1
 #: The memory the ``memory`` demo tells rank probes their device has (a rehearsal of a
 #: small device: a Ray worker here starts near 0.6 GB of RSS).
 MEMORY_CAPACITY_BYTES = 2_000_000_000
-#: How much rank 1 keeps per step in the ``memory`` demo (~15 MB/s at ~30 steps/s).
+#: How much rank 1 keeps per step in the ``memory`` demo (~13 MB/s at ~25 steps/s: the
+#: finding appears ~15 s after the fault starts).
 MEMORY_GROW_BYTES = 512 << 10
+#: ... and stops growing there: past the rehearsed capacity, never much past it for real
+MEMORY_GROW_MAX_BYTES = 1_800_000_000
 
 #: The workload: mostly compute when healthy (see tests/scenarios.py BASE).
 WORKLOAD: dict[str, Any] = {"batch": 768, "dim": 256, "hidden": 512, "layers": 3}
@@ -66,6 +69,7 @@ FAULTS: dict[str, DemoFault] = {
         f"rank 1 keeps {MEMORY_GROW_BYTES >> 10} KiB more every step "
         f"(on a rehearsed {MEMORY_CAPACITY_BYTES / 1e9:.0f} GB device)",
         Faults(mem_grow_bytes_per_step={FAULT_RANK: MEMORY_GROW_BYTES},
+               mem_grow_max_bytes=MEMORY_GROW_MAX_BYTES,
                start_step=FAULT_STEP), "memory_wall",
         {"memory_capacity_bytes": MEMORY_CAPACITY_BYTES}),
     "hang": DemoFault(
@@ -534,10 +538,16 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
 
-def run(fault: str = "starved", workers: int = 3, *, headless: bool = False,
+def default_workers() -> int:
+    """3 workers where the machine has the cores for them, else 2 (with more ranks than
+    cores their compute times swing, and the demo would show stragglers of its own)."""
+    return 3 if (os.cpu_count() or 2) >= 4 else 2
+
+
+def run(fault: str = "starved", workers: int | None = None, *, headless: bool = False,
         duration_s: float = 300.0, record: str | None = None) -> int:
     """``rtop demo``: run the demo job, live or headless; returns an exit code."""
-    job = DemoJob(fault, workers, duration_s, record)
+    job = DemoJob(fault, workers or default_workers(), duration_s, record)
     try:
         return run_headless(job) if headless else run_tui(job)
     except KeyboardInterrupt:  # before the job was running, or while it started

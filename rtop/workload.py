@@ -32,6 +32,7 @@ class Faults:
     hang_at_step: dict[int, int] = field(default_factory=dict)
     die_at_step: dict[int, int] = field(default_factory=dict)
     mem_grow_bytes_per_step: dict[int, int] = field(default_factory=dict)
+    mem_grow_max_bytes: int = 0  # stop growing past this much (0: never stop)
     checkpoint_every: int = 0
     checkpoint_s: float = 0.0
     start_step: int = 0
@@ -190,7 +191,8 @@ def train_loop(rank: int, spec: WorkloadSpec, model: Any, probe: Any) -> list[fl
             if faulty and extra:
                 _burn(extra, burn)
             grow = faults.mem_grow_bytes_per_step.get(rank, 0)
-            if faulty and grow:
+            if faulty and grow and (not faults.mem_grow_max_bytes
+                                    or len(hoard) * grow < faults.mem_grow_max_bytes):
                 hoard.append(torch.ones(grow // 4, dtype=torch.float32))
         if faulty and faults.checkpoint_every and (i + 1) % faults.checkpoint_every == 0:
             ctx = probe.checkpoint() if probe is not None else _null_ctx()

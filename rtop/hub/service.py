@@ -127,6 +127,9 @@ class ThreadedHub:
     def stop(self, timeout: float = 5.0) -> None:
         """Close the hub (flushing the recording) and join its thread."""
         if self._loop is not None and self.hub is not None and self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(self.hub.close(), self._loop).result(timeout)
+            hub = self.hub
+            # closing ends serve_forever, and the thread closes its loop right after: do
+            # not wait on a future that loop may never resolve, wait for the thread
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(hub.close()))
         self._thread.join(timeout)

@@ -479,6 +479,7 @@ class RunState:
             "t_hub": now,
             "run": {
                 "job": att.job if att else "",
+                "name": str(self.run_info.get("job") or ""),  # the hub's name for the job
                 "attempt": att.number if att else None,
                 "attempts": len(self.attempts),
                 "world_size": att.world_size if att else 0,

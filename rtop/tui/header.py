@@ -33,6 +33,8 @@ class JobHeader(Static):
             return
         j = job_figures(snap)
         line1.append(j.job, "bold cyan")
+        if j.job_id:
+            line1.append(f" ({j.job_id[:24]})", "dim")
         rp = snap.get("replay")
         if rp:
             state = "paused" if rp.get("paused") else ("end of recording" if rp.get("finished")

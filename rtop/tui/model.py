@@ -279,6 +279,7 @@ class JobFigures:
     active: int
     lost: int
     rtop_cpu: float | None = None  # median share of a core the collectors use per rank
+    job_id: str = ""  # the training job's own id (Ray run id, rendezvous) when named
 
 
 def job_figures(snap: dict[str, Any]) -> JobFigures:
@@ -306,13 +307,14 @@ def job_figures(snap: dict[str, Any]) -> JobFigures:
             eff = statistics.median(c / (c + e) for c, e in pairs)
     dropped = sum(int(d) for d in cols.get("dropped") or [] if isinstance(d, int))
     cpus = [v for v in (num(x) for x in cols.get("rtop_cpu") or []) if v is not None]
+    name, job_id = str(run.get("name") or ""), str(run.get("job") or "")
     return JobFigures(
-        str(run.get("job") or "(unnamed job)"), int(run.get("world_size") or 0),
+        name or job_id or "(unnamed job)", int(run.get("world_size") or 0),
         int(run.get("ranks_seen") or 0), run.get("attempt"), int(run.get("attempts") or 0),
         float(run.get("uptime_s") or 0.0), rate, sps if any_samples else None, eff, dropped,
         int(run.get("bad_frames") or 0), sum(s == "active" for s in status),
         sum(s in ("lost", "failed") for s in status),
-        statistics.median(cpus) if cpus else None)
+        statistics.median(cpus) if cpus else None, job_id if name and name != job_id else "")
 
 
 def memory_split(detail: dict[str, Any]) -> dict[str, float] | None:

@@ -1,0 +1,160 @@
+"""``rtop demo``: the command line, the pieces of the demo job, and one real headless run
+of a Ray Train job with a starved rank."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from rtop import demo
+from rtop.analysis import RANK_FAULTS
+from rtop.workload import WorkloadSpec
+
+
+def test_demo_help_lists_the_faults():
+    proc = subprocess.run([sys.executable, "-m", "rtop", "demo", "--help"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    for flag in ("--fault", "--workers", "--headless", "--duration", "--record"):
+        assert flag in proc.stdout
+    for fault in ("starved", "straggler", "memory", "hang", "none"):
+        assert fault in proc.stdout
+    # the command line offers exactly the faults the demo knows
+    assert set(demo.FAULTS) == {"starved", "straggler", "memory", "hang", "none"}
+
+
+@pytest.mark.parametrize("argv", [["--workers", "5"], ["--workers", "1"], ["--fault", "x"]])
+def test_demo_rejects_bad_arguments(argv):
+    proc = subprocess.run([sys.executable, "-m", "rtop", "demo", "--headless", *argv],
+                          capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2
+    assert "invalid choice" in proc.stderr
+
+
+def test_demo_job_checks_its_arguments():
+    with pytest.raises(ValueError, match="unknown fault"):
+        demo.DemoJob("bogus")
+    with pytest.raises(ValueError, match="2 to 4"):
+        demo.DemoJob("starved", workers=5)
+
+
+@pytest.mark.parametrize("fault", sorted(demo.FAULTS))
+def test_every_fault_is_on_rank_1_after_healthy_steps_and_survives_json(fault):
+    job = demo.DemoJob(fault, workers=2, duration_s=30.0)
+    spec = job._spec()
+    again = WorkloadSpec.from_json(spec.to_json())
+    assert again == spec
+    f = spec.faults
+    if fault == "none":
+        assert demo.FAULTS[fault].expect is None
+        return
+    assert f.start_step == demo.FAULT_STEP >= 40
+    keyed = {**f.loader_sleep_s, **f.extra_compute_s, **f.hang_at_step,
+             **f.mem_grow_bytes_per_step}
+    assert set(keyed) == {1}
+    assert demo.FAULTS[fault].expect in RANK_FAULTS
+    assert spec.batch == 768 and spec.dim == 256 and spec.hidden == 512 and spec.layers == 3
+
+
+def test_a_stop_file_ends_the_run_at_the_next_check(tmp_path):
+    spec = WorkloadSpec(duration_s=300.0)
+    stop = tmp_path / "stop"
+    stoppable = demo._StoppableSpec(spec, str(stop))
+    assert stoppable.duration_s == 300.0 and stoppable.batch == spec.batch
+    stop.touch()
+    assert stoppable.duration_s == 0.0
+
+
+def test_logs_go_to_a_file_while_a_view_owns_the_terminal(tmp_path, capfd):
+    log = logging.getLogger("rtop.test_demo")
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger().addHandler(handler)
+    try:
+        with demo.logs_to_file(tmp_path / "demo.log"):
+            log.warning("during the view")
+        log.warning("after the view")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    err = capfd.readouterr().err
+    assert "during the view" not in err and "after the view" in err
+    assert "during the view" in (tmp_path / "demo.log").read_text()
+
+
+def test_without_headless_the_live_view_gets_the_job_and_the_job_is_stopped(monkeypatch):
+    calls: list[tuple] = []
+
+    class FakeJob:
+        address, token, record_path, error = "127.0.0.1:1", "tok", None, None
+
+        def start(self):
+            calls.append(("start",))
+            return self
+
+        def stop(self):
+            calls.append(("stop",))
+
+        def title(self):
+            return "the demo"
+
+    def attach(address, token, *, title=None):
+        calls.append(("attach", address, token, title))
+        return 0
+
+    monkeypatch.setitem(sys.modules, "rtop.tui", types.SimpleNamespace(attach=attach))
+    assert demo.run_tui(FakeJob()) == 0  # type: ignore[arg-type]
+    assert calls == [("start",), ("attach", "127.0.0.1:1", "tok", "the demo"), ("stop",)]
+
+
+@pytest.mark.ray
+def test_headless_demo_names_the_starved_rank_and_nothing_else(tmp_path):
+    pytest.importorskip("ray")
+    from rtop.report import build_report
+
+    record = tmp_path / "demo.rtop"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtop", "demo", "--headless", "--duration", "30",
+         "--fault", "starved", "--workers", "2", "--record", str(record)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # nothing from Ray or the workers reaches the terminal: only rtop's own lines
+    assert proc.stderr == "", proc.stderr[-3000:]
+    out = proc.stdout
+    assert "findings: starved_rank on rank 1" in out  # a live progress line
+    assert "starved_rank (ranks 1;" in out  # the report printed at the end
+    report = build_report(Path(record))
+    rank_faults = {(f["kind"], tuple(f["ranks"])) for f in report["findings"]
+                   if f["kind"] in RANK_FAULTS}
+    assert rank_faults == {("starved_rank", (1,))}, report["findings"]
+    assert [r["status"] for r in report["ranks"]] == ["finished", "finished"]
+    assert all(r["steps"] > 100 for r in report["ranks"])
+
+
+def test_ray_that_does_not_start_is_reported_and_leaves_nothing_running(monkeypatch, capsys):
+    def broken() -> None:
+        raise RuntimeError("no raylet")
+
+    monkeypatch.setattr(demo, "_quiet_ray", broken)
+    job = demo.DemoJob("starved", workers=2, duration_s=5.0)
+    assert demo.run_headless(job, every_s=0.5) == 1
+    assert "rtop demo: Ray did not start: RuntimeError: no raylet" in capsys.readouterr().err
+    assert not job.running and job._tmp is None
+    assert not job.hub._thread.is_alive()
+
+
+def test_a_failed_job_is_reported_with_a_non_zero_exit(monkeypatch, capsys):
+    def fit(self) -> None:
+        raise RuntimeError("worker 1 died")
+
+    monkeypatch.setattr(demo.DemoJob, "_start_ray", lambda self: None)
+    monkeypatch.setattr(demo.DemoJob, "_fit", fit)
+    job = demo.DemoJob("starved", workers=2, duration_s=5.0)
+    assert demo.run_headless(job, every_s=0.5) == 1
+    assert isinstance(job.error, RuntimeError)
+    assert not job.running
+    err = capsys.readouterr().err
+    assert "the Ray Train job failed: RuntimeError: worker 1 died" in err
