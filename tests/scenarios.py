@@ -47,7 +47,7 @@ class Outcome:
 def run_scenario(tmp: Path, faults: Faults, *, world: int = 2, duration_s: float = 12.0,
                  thresholds: AnalysisConfig | None = None, timeout_s: float = 120.0,
                  until: Callable[[Outcome], bool] | None = None, grace_s: float = 3.0,
-                 check: bool = True, **spec: Any) -> Outcome:
+                 check: bool = True, job: str = "scenario", **spec: Any) -> Outcome:
     """Run a DDP job with ``faults`` against a hub; poll its findings at 10 Hz.
 
     ``until`` ends the job early (after ``grace_s`` more seconds, to catch anything
@@ -56,7 +56,7 @@ def run_scenario(tmp: Path, faults: Faults, *, world: int = 2, duration_s: float
     marks = tmp / "marks"
     marks.mkdir(exist_ok=True)
     record = tmp / "run.rtop"
-    hub = ThreadedHub(job="scenario", record=str(record),
+    hub = ThreadedHub(job=job, record=str(record),
                       thresholds=thresholds or AnalysisConfig()).start()
     settings = {**BASE, **spec}
     job_spec = WorkloadSpec(world_size=world, duration_s=duration_s, hub=hub.address,

@@ -150,7 +150,7 @@ async def test_views_and_help_open_and_close():
     app = make_app(fixture_source("starved", 22.0))
     async with app.run_test(size=(100, 30)) as pilot:
         await until(pilot, lambda: app.snapshots_seen > 0)
-        for key, cls, word in (("f", FabricScreen, "loopback"), ("e", ScalingScreen, "what if"),
+        for key, cls, word in (("f", FabricScreen, "loopback"), ("e", ScalingScreen, "What if"),
                                ("question_mark", HelpScreen, "filter")):
             await pilot.press(key)
             await until(pilot, lambda cls=cls: isinstance(app.screen, cls))

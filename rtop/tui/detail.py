@@ -45,7 +45,7 @@ def fmt_phase(seconds: Any) -> str:
         return "–"
     return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.1f} s"
 MEM_PARTS = (("parameters", "█", "cyan"), ("gradients", "▓", "blue"),
-             ("optimizer", "▒", "magenta"), ("activations", "░", "yellow"),
+             ("optimizer", "▒", "magenta"), ("activations+other", "░", "yellow"),
              ("free", "·", "green"))
 
 
@@ -55,14 +55,14 @@ def memory_bar(split: dict[str, float], width: int = 60) -> Text:
     text = Text()
     used = 0
     for name, glyph, colour in MEM_PARTS:
-        n = min(width - used, round(width * split[name] / cap))
+        n = min(width - used, round(width * split[name.split("+")[0]] / cap))
         text.append(glyph * n, colour)
         used += n
     text.append(" " * (width - used))
     text.append(f"  {fmt_bytes(cap)}\n")
     for name, glyph, colour in MEM_PARTS:
         text.append(f"{glyph} ", colour)
-        text.append(f"{name} {fmt_bytes(split[name])}  ")
+        text.append(f"{name} {fmt_bytes(split[name.split('+')[0]])}  ")
     return text
 
 
@@ -181,6 +181,10 @@ class RankScreen(Screen[None]):
             elif wall:
                 mem.append(f"\nMemory wall: {fmt_bytes(wall.get('headroom_bytes'))} left at "
                            "the peak.", "bold magenta")
+            elif per_step is not None and per_step > 0 and steps_left is not None \
+                    and steps_left > 100_000:
+                mem.append(f"\nMemory is about flat (+{fmt_bytes(per_step)} per step "
+                           "recently): no wall in sight.", "green")
             elif per_step is not None and per_step > 0 and steps_left is not None:
                 mem.append(f"\nRecent trend: +{fmt_bytes(per_step)} per step (full in "
                            f"{steps_left:,.0f} steps at that rate; not a sustained growth).",

@@ -52,15 +52,15 @@ class JobHeader(Static):
             line2.append(f"ranks {up}", "bold red" if j.lost else "")
         if j.attempts > 1 or (isinstance(j.attempt, int) and j.attempt > 0):
             line2.append(f" · restarted: attempt {j.attempt}", "bold yellow")
-        line2.append(f" · up {fmt_duration(j.uptime_s)}")
-        line2.append(" · " + (f"{j.steps_per_s:.2f} steps/s" if j.steps_per_s else "– steps/s"))
-        if j.samples_per_s:
-            line2.append(f" · {j.samples_per_s:,.0f} samples/s")
         eff_style = "" if j.efficiency is None or j.efficiency >= 0.6 else "bold yellow"
         line2.append(" · efficiency ")
         line2.append(fmt_pct(j.efficiency, 100), eff_style)
-        cost = f"{j.rtop_cpu:.1%} of a core per rank, " if j.rtop_cpu is not None else ""
-        line2.append(f" · rtop: {cost}{j.dropped} dropped",
+        line2.append(" · " + (f"{j.steps_per_s:.2f} steps/s" if j.steps_per_s else "– steps/s"))
+        if j.samples_per_s:
+            line2.append(f" · {j.samples_per_s:,.0f} samples/s")
+        line2.append(f" · up {fmt_duration(j.uptime_s)}")
+        cost = f"{j.rtop_cpu:.1%} CPU/rank, " if j.rtop_cpu is not None else ""
+        line2.append(f" · rtop {cost}{j.dropped} dropped",
                      "dim" if not j.dropped else "yellow")
         if j.bad_frames:
             line2.append(f", {j.bad_frames} bad frames", "yellow")

@@ -133,7 +133,7 @@ def row_segments(row: RankRow | NodeRow, cols: list[Column]) -> list[Segment]:
         elif t == "node":
             segs.append(_cell(row.node, c, dim))
         elif t == "status":
-            label = row.badge or (row.phase or "ok" if row.status == "active" else row.status)
+            label = row.badge or ("ok" if row.status == "active" else row.status)
             style = Style.parse(BADGE_STYLE[row.badge]) if row.badge in BADGE_STYLE else dim
             segs.append(_cell(label, c, style))
         elif t == "step":
@@ -253,6 +253,7 @@ class RanksView(ScrollView, can_focus=True):
         self._key: Any = None  # what the cursor is on, kept across updates
         self.pinned = False  # until the user moves, the cursor stays on the top line
         self._cols: list[Column] = fit_columns(80 - SCROLLBAR)
+        self._cols_width = 80 - SCROLLBAR
 
     @staticmethod
     def _key_of(row: RankRow | NodeRow) -> Any:
@@ -278,8 +279,8 @@ class RanksView(ScrollView, can_focus=True):
 
     def on_resize(self) -> None:
         """Columns depend on the width."""
-        self._cols = fit_columns(self.size.width - SCROLLBAR)
         self.virtual_size = Size(0, len(self.rows))
+        self.refresh()
 
     def render_line(self, y: int) -> Strip:
         """Build only the line asked for."""
@@ -288,6 +289,9 @@ class RanksView(ScrollView, can_focus=True):
         if i >= len(self.rows):
             return Strip.blank(width, _PLAIN)
         row = self.rows[i]
+        cols_width = self.size.width - SCROLLBAR
+        if cols_width != self._cols_width:  # the same columns as the header above
+            self._cols, self._cols_width = fit_columns(cols_width), cols_width
         segs = row_segments(row, self._cols)
         strip = Strip(segs).crop_extend(0, width, _PLAIN)
         if i == self.cursor and self.has_focus:

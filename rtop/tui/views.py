@@ -93,14 +93,15 @@ class ScalingScreen(Screen[None]):
         out.append("Scaling efficiency ", "bold")
         out.append(fmt_pct(eff, 100), "bold green" if (eff or 0) >= 0.6 else "bold yellow")
         out.append("  = compute / (compute + allreduce not hidden behind backward)\n")
-        out.append(f"  compute {fmt_ms(sc.get('compute_s'))} · allreduce "
-                   f"{fmt_ms(sc.get('comm_s'))} of which exposed "
-                   f"{fmt_ms(sc.get('comm_exposed_s'))} · {fmt_bytes(sc.get('comm_bytes'))} "
+        out.append(f"  compute {fmt_ms(sc.get('compute_s'))} ms · allreduce "
+                   f"{fmt_ms(sc.get('comm_s'))} ms, of which exposed "
+                   f"{fmt_ms(sc.get('comm_exposed_s'))} ms · {fmt_bytes(sc.get('comm_bytes'))} "
                    f"per step at {fmt_rate(sc.get('busbw_Bps'))} bus bandwidth\n"
                    f"  without any overlap: {fmt_pct(sc.get('efficiency_no_overlap'), 100)}\n",
                    "dim")
-        t = Table(title="what if (same per-rank batch, same fabric, no overlap)", box=None,
-                  title_justify="left")
+        out.append("\nWhat if: more ranks, the same per-rank batch and fabric, no overlap\n",
+                   "bold")
+        t = Table(box=None)
         for c in ("ranks", "allreduce ms", "efficiency", "throughput vs now"):
             t.add_column(c, justify="right")
         what = sc.get("what_if") or []
