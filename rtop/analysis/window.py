@@ -73,8 +73,8 @@ class Window:
         return out
 
 
-def _recent_medians(state: RunState, slots: np.ndarray, cfg: AnalysisConfig
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
+                    cfg: AnalysisConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Medians over each rank's steps of the last ``recent_s`` seconds (at least
     ``recent_min_steps``, at most ``recent_max_steps``), their count and step rate."""
     rings = state.steps
@@ -87,6 +87,10 @@ def _recent_medians(state: RunState, slots: np.ndarray, cfg: AnalysisConfig
     keep_always = np.zeros(k, dtype=bool)
     keep_always[-cfg.recent_min_steps:] = True
     drop = old & ~keep_always[None, :]
+    # a rank's warm-up steps are no measure of it (NaN until it has warmed up)
+    base = rings.base or 0.0  # the ring stores t_wall relative to it
+    warm = np.array([np.nan if rs.warm_wall is None else rs.warm_wall - base for rs in ranks])
+    drop |= ~(t >= warm[:, None])
     last[drop] = np.nan
     med = nanmedian_rows(last)
     valid = ~np.isnan(last[:, :, 1])
@@ -146,7 +150,7 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None) -> Wind
     names: dict[str, int] = {}
     node_of = np.array([names.setdefault(r.node, len(names)) for r in ranks], dtype=np.int64)
     if n:
-        med, count, rate = _recent_medians(state, slots, cfg)
+        med, count, rate = _recent_medians(state, ranks, slots, cfg)
         latest = state.latest[slots]
         slope, growth, r2 = _mem_trend(state, ranks, slots, cfg.mem_trend_samples)
     else:

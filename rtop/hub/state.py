@@ -47,8 +47,10 @@ _MEM_HIST = [_MEM[k] for k in ("used_bytes", "peak_bytes")]
 LATEST = tuple([f"gpu_{f}" for f in GPU_FIELDS[1:]] + [f"host_{f}" for f in HOST_FIELDS[1:]]
                + [f"mem_{f}" for f in MEM_FIELDS[2:]] + ["phase_s"])
 _NAN = float("nan")
-#: Steps a rank takes to warm up (see ``RankState.warm_wall``).
+#: A rank is warm after this many steps (see ``RankState.warm_wall``) ...
 WARMUP_STEPS = 20
+#: ... or, for slow steps, after at least 3 steps and this many seconds.
+WARMUP_S = 30.0
 
 
 class ProtocolError(ValueError):
@@ -97,9 +99,11 @@ class RankState:
     collector: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, float | None] = field(default_factory=dict)  # once the window is freed
     lost_at: float | None = None  # hub time it was marked lost
-    #: the rank's wall time at its WARMUP_STEPS-th step: memory grows while a process
-    #: warms up (allocator, loader workers, caches), which is no trend to extrapolate
+    #: the rank's wall time when it warmed up (its WARMUP_STEPS-th step, or WARMUP_S after
+    #: its first for slow steps): the first steps are slow (allocations, caches, loader
+    #: workers starting) and memory grows meanwhile, neither of which is a finding
     warm_wall: float | None = None
+    first_wall: float | None = None  # wall time of its first step
     #: the collector's own CPU use, as a share of one core (from its sender thread's CPU
     #: time between batches at least a second apart)
     rtop_cpu: float | None = None
@@ -343,10 +347,8 @@ class RunState:
             for row in steps:
                 self.steps.append(slot, [_num(row[j]) for j in _STEP_PICK])
         if steps:
-            if rs.warm_wall is None and rs.steps_seen + len(steps) >= WARMUP_STEPS:
-                row = steps[min(len(steps) - 1, max(0, WARMUP_STEPS - 1 - rs.steps_seen))]
-                t = row[1]
-                rs.warm_wall = float(t) if isinstance(t, (int, float)) else None
+            if rs.warm_wall is None:
+                self._warm_up(rs, steps)
             rs.steps_seen += len(steps)
             self.step_records += len(steps)
             last = steps[-1][0]
@@ -389,6 +391,20 @@ class RunState:
         if rs.status == "lost":
             rs.status, rs.lost_at = "active", None
         rs.connected = True
+
+    @staticmethod
+    def _warm_up(rs: RankState, steps: list[list[Any]]) -> None:
+        """Note when the rank warmed up, if one of these steps is where it did."""
+        for k, row in enumerate(steps):
+            t = row[1]
+            if not isinstance(t, (int, float)) or isinstance(t, bool):
+                continue
+            if rs.first_wall is None:
+                rs.first_wall = float(t)
+            n = rs.steps_seen + k + 1
+            if n >= WARMUP_STEPS or (n >= 3 and t - rs.first_wall >= WARMUP_S):
+                rs.warm_wall = float(t)
+                return
 
     def _samples(self, slot: int, gpu: list[list[Any]], host: list[list[Any]],
                  mem: list[list[Any]], history: bool = True) -> None:
