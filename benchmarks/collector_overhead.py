@@ -3,7 +3,10 @@
 Part 1 - whole job: one 2-rank gloo DDP job (~20 ms steps) that switches, block by
 block in shuffled rounds, between (a) no rtop, (b) no rtop again, on its own copy of
 the model (an A/A control: its ratio is the benchmark's noise floor), (c) collectors
-with the hub up, (d) collectors with the hub unreachable, (e) torch.profiler on.
+with the hub up, (d) collectors with the hub unreachable, (e) collectors with the hub up
+but no comm hook (iter, step and the sender thread only: splits the cost between the
+hook and the rest), (f) torch's own Python ``allreduce_hook`` and no rtop (what replacing
+DDP's C++ allreduce by any Python comm hook costs), (g) torch.profiler on.
 Prints the median step time of each and its ratio to (a), pooled, plus the median of
 the per-round ratios.
 
@@ -30,7 +33,8 @@ from rtop.workload import free_port
 
 WARMUP = 20  # steps after each switch of configuration that are not counted (startup)
 CONFIGS = ("no rtop", "no rtop (A/A control)", "collectors, hub up",
-           "collectors, hub unreachable", "torch.profiler on")
+           "collectors, hub unreachable", "collectors, no comm hook",
+           "torch's allreduce_hook, no rtop", "torch.profiler on")
 
 
 def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, token: str,
@@ -60,6 +64,10 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
     spec = WorkloadSpec(world_size=world, batch=256, dim=256, hidden=512, layers=3)
     models = {name: torch.nn.parallel.DistributedDataParallel(build_model(spec))
               for name in CONFIGS}
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    # any Python comm hook in place of DDP's C++ allreduce, without rtop: what a hook costs
+    models["torch's allreduce_hook, no rtop"].register_comm_hook(None, default_hooks.allreduce_hook)
     opts = {name: torch.optim.SGD(m.parameters(), lr=1e-4) for name, m in models.items()}
     gen = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(spec.batch, spec.dim, generator=gen),
@@ -74,9 +82,10 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
             probe: Any = None
             profiler: Any = None
             if name.startswith("collectors"):
-                hub = hub_up if name.endswith("up") else hub_dead
+                hub = hub_dead if name.endswith("unreachable") else hub_up
                 probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=hub, token=token))
-                probe.watch(model, optimizer=opt)  # the 2nd time re-points the hook
+                if name != "collectors, no comm hook":  # that one: iter, step, sender only
+                    probe.watch(model, optimizer=opt)  # the 2nd time re-points the hook
             elif name == "torch.profiler on":
                 profiler = torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
