@@ -260,6 +260,7 @@ def _rank_main(rank: int, spec: WorkloadSpec, port: int, out_dir: str,
     else:
         stats = {}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"times": times, "stats": stats}))
+    del model  # DDP before its process group: the other order can abort at exit
     dist.barrier()
     dist.destroy_process_group()
 

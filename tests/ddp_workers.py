@@ -14,6 +14,17 @@ def _setup(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def _teardown() -> None:
+    """Free the DDP modules (deleted by the caller) before their process group, then
+    leave the process group: the reverse order can abort the process at exit
+    ("terminate called without an active exception" from a gloo thread)."""
+    import gc
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
@@ -64,7 +75,8 @@ def _compare_grads(rank: int, world: int, port: int, out: str, as_view: bool) ->
     probe.close(0.1)
     with open(os.path.join(out, f"rank{rank}"), "w") as f:
         f.write(f"{int(all(results))} {max(calls)} {probe.notes[-1]!r}")
-    dist.destroy_process_group()
+    del plain, hooked
+    _teardown()
 
 
 def user_hook_after_watch(rank: int, world: int, port: int, out: str) -> None:
@@ -94,7 +106,8 @@ def user_hook_after_watch(rank: int, world: int, port: int, out: str) -> None:
     probe.close(0.1)
     with open(os.path.join(out, f"rank{rank}"), "w") as f:
         f.write(f"{calls['n']} {int(timed)} {int(same)}")
-    dist.destroy_process_group()
+    del model, plain
+    _teardown()
 
 
 def user_hook_before_watch(rank: int, world: int, port: int, out: str) -> None:
@@ -122,4 +135,5 @@ def user_hook_before_watch(rank: int, world: int, port: int, out: str) -> None:
     probe.close(0.1)
     with open(os.path.join(out, f"rank{rank}"), "w") as f:
         f.write(f"{calls['n']} {int(raw[6] is None)} {probe.notes[-1]!r}")
-    dist.destroy_process_group()
+    del model
+    _teardown()
