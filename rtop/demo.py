@@ -114,21 +114,9 @@ def demo_train_loop(config: dict[str, Any]) -> None:
     ``config``: ``spec`` (a :class:`WorkloadSpec` as JSON) and ``stop_file`` (its
     appearance ends the run at the next 20-step boundary).
     """
-    import ray.train
-    import ray.train.torch
-    import torch
+    from rtop.workload import ray_worker_setup, train_loop
 
-    from rtop.workload import build_model, train_loop
-
-    spec = WorkloadSpec.from_json(config["spec"])
-    torch.set_num_threads(spec.threads)
-    probe = None
-    if spec.instrument:
-        import collectors
-
-        probe = collectors.start(hub=spec.hub, token=spec.token, **spec.probe_settings)
-    model = ray.train.torch.prepare_model(build_model(spec))
-    rank = ray.train.get_context().get_world_rank()
+    spec, probe, model, rank = ray_worker_setup(config)
     stoppable: Any = _StoppableSpec(spec, config["stop_file"])
     try:
         train_loop(rank, stoppable, model, probe)

@@ -324,8 +324,8 @@ def median_step_s(results: list[dict[str, Any]], skip: int = 5) -> float:
     return statistics.median(t for r in results for t in r["times"][skip:])
 
 
-def ray_train_loop(config: dict[str, Any]) -> None:
-    """The per-worker function for a Ray Train ``TorchTrainer`` (``config["spec"]``)."""
+def ray_worker_setup(config: dict[str, Any]) -> tuple[WorkloadSpec, Any, Any, int]:
+    """Inside a Ray Train worker: ``(spec, probe, prepared model, world rank)``."""
     import ray.train
     import ray.train.torch
     import torch
@@ -338,7 +338,12 @@ def ray_train_loop(config: dict[str, Any]) -> None:
 
         probe = collectors.start(hub=spec.hub, token=spec.token, **spec.probe_settings)
     model = ray.train.torch.prepare_model(build_model(spec))
-    rank = ray.train.get_context().get_world_rank()
+    return spec, probe, model, ray.train.get_context().get_world_rank()
+
+
+def ray_train_loop(config: dict[str, Any]) -> None:
+    """The per-worker function for a Ray Train ``TorchTrainer`` (``config["spec"]``)."""
+    spec, probe, model, rank = ray_worker_setup(config)
     train_loop(rank, spec, model, probe)
     if probe is not None:
         probe.close()
