@@ -1,19 +1,20 @@
 """What rtop's collectors cost a training job, measured side by side.
 
 Part 1 - whole job: one 2-rank gloo DDP job (~20 ms steps) that switches, block by
-block in shuffled rounds, between (a) no rtop, (b) no rtop again, on its own copy of
-the model (an A/A control: its ratio is the benchmark's noise floor), (c) collectors
-with the hub up, (d) collectors with the hub unreachable, (e) collectors with the hub up
-but no comm hook (iter, step and the sender thread only: splits the cost between the
-hook and the rest), (f) torch's own Python ``allreduce_hook`` and no rtop (what replacing
-DDP's C++ allreduce by any Python comm hook costs), (g) torch.profiler on.
+block in shuffled rounds, between (a) no rtop, (b) no rtop again (an A/A control: its
+ratio is the benchmark's noise floor), (c) collectors with the hub up, (d) collectors
+with the hub unreachable, (e) collectors with the hub up, timing the allreduce with
+rtop's comm hook instead of DDP's own timer (what CUDA models use, forced here with
+``comm_timing="hook"``), (f) torch's own Python ``allreduce_hook`` and no rtop (what
+any Python comm hook costs DDP on CPU), (g) torch.profiler on.
 Prints the median step time of each and its ratio to (a), pooled, plus the median of
-the per-round ratios.
+the per-round ratios with a 95% bootstrap interval, and the ratio of CPU time per step
+(all the rank's threads, rtop's sender included).
 
 Part 2 - training-thread cost: per step, what ``probe.iter`` + ``probe.step`` + the
 comm hook add on the training thread, against the same loop without them.
 
-    python benchmarks/collector_overhead.py [--rounds 12] [--block 60]
+    python benchmarks/collector_overhead.py [--rounds 12] [--block 60] [--no-pin]
 """
 
 from __future__ import annotations
@@ -33,59 +34,66 @@ from rtop.workload import free_port
 
 WARMUP = 20  # steps after each switch of configuration that are not counted (startup)
 CONFIGS = ("no rtop", "no rtop (A/A control)", "collectors, hub up",
-           "collectors, hub unreachable", "collectors, no comm hook",
+           "collectors, hub unreachable", "collectors, comm hook timing",
            "torch's allreduce_hook, no rtop", "torch.profiler on")
 
 
 def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, token: str,
-                rounds: int, block: int, out_dir: str) -> None:
+                rounds: int, block: int, out_dir: str, pin: bool) -> None:
     """One rank: the same DDP job, switching configuration every ``block`` steps.
 
     Running every configuration inside the same two processes, in shuffled order round
     after round, cancels the run-to-run noise (core placement, caches) that dominates
-    separate runs on a small shared machine. Each configuration trains its own copy of
-    the model, so the un-instrumented model never carries rtop's comm hook; each
-    collectors block starts a fresh probe (its sender thread, its connection) and
-    closes it at the end, so "no rtop" blocks run with no rtop thread at all.
+    separate runs on a small shared machine. Every block builds a fresh model, DDP
+    wrapper and optimizer from the same seed: no configuration keeps one copy of the
+    model for the whole run, so a copy that happens to sit better in memory cannot bias
+    one configuration (that bias, not the scheduler, was what moved the A/A control by
+    up to 3%). Each collectors block starts a fresh probe (its sender thread, its
+    connection) and closes it at the end, so "no rtop" blocks run with no rtop thread.
+    Per step it keeps the wall time and the process's CPU time (all its threads: the
+    training thread, gloo's, and rtop's sender when there is one).
     """
+    import gc
     import json
     import os
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     import collectors
     from collectors.identity import detect
     from rtop.workload import WorkloadSpec, build_model
 
+    if pin:
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     torch.set_num_threads(1)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     dist.init_process_group("gloo", rank=rank, world_size=world)
     spec = WorkloadSpec(world_size=world, batch=256, dim=256, hidden=512, layers=3)
-    models = {name: torch.nn.parallel.DistributedDataParallel(build_model(spec))
-              for name in CONFIGS}
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    # any Python comm hook in place of DDP's C++ allreduce, without rtop: what a hook costs
-    models["torch's allreduce_hook, no rtop"].register_comm_hook(None, default_hooks.allreduce_hook)
-    opts = {name: torch.optim.SGD(m.parameters(), lr=1e-4) for name, m in models.items()}
     gen = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(spec.batch, spec.dim, generator=gen),
                 torch.randn(spec.batch, 1, generator=gen)) for _ in range(8)]
     loss_fn = torch.nn.MSELoss()
-    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    wall: dict[str, list[list[float]]] = {name: [] for name in CONFIGS}
+    cpu: dict[str, list[list[float]]] = {name: [] for name in CONFIGS}
     for r in range(rounds):
         order = list(CONFIGS)
         random.Random(r).shuffle(order)  # the same order on every rank
         for name in order:
-            model, opt = models[name], opts[name]
+            model = torch.nn.parallel.DistributedDataParallel(build_model(spec))
+            opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+            if name == "torch's allreduce_hook, no rtop":
+                # any Python comm hook in place of DDP's C++ allreduce: what a hook costs
+                model.register_comm_hook(None, default_hooks.allreduce_hook)
             probe: Any = None
             profiler: Any = None
             if name.startswith("collectors"):
                 hub = hub_dead if name.endswith("unreachable") else hub_up
-                probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=hub, token=token))
-                if name != "collectors, no comm hook":  # that one: iter, step, sender only
-                    probe.watch(model, optimizer=opt)  # the 2nd time re-points the hook
+                timing = "hook" if name.endswith("comm hook timing") else "auto"
+                probe = collectors.Probe(detect(), collectors.ProbeConfig(
+                    hub=hub, token=token, comm_timing=timing))
+                probe.watch(model, optimizer=opt)
             elif name == "torch.profiler on":
                 profiler = torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
@@ -93,24 +101,32 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
             loader: Any = (batches[i % 8] for i in range(block))
             if probe is not None:
                 loader = probe.iter(loader)
-            prev = time.perf_counter()
+            block_wall: list[float] = []
+            block_cpu: list[float] = []
+            prev, prev_cpu = time.perf_counter(), time.process_time()
             for i, (x, y) in enumerate(loader):
                 ctx = probe.step() if probe is not None else _Null()
                 with ctx:
                     loss_fn(model(x), y).backward()
                     opt.step()
                     opt.zero_grad()
-                now = time.perf_counter()
+                now, now_cpu = time.perf_counter(), time.process_time()
                 if i >= WARMUP:
-                    times[name].append(now - prev)
-                prev = now
+                    block_wall.append(now - prev)
+                    block_cpu.append(now_cpu - prev_cpu)
+                prev, prev_cpu = now, now_cpu
             if probe is not None:
                 probe.close()
             if profiler is not None:
                 profiler.__exit__(None, None, None)
+            wall[name].append(block_wall)
+            cpu[name].append(block_cpu)
             dist.barrier()
+            del model, opt, probe, profiler
+            gc.collect()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(times, f)
+        json.dump({"wall": wall, "cpu": cpu}, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -122,36 +138,56 @@ class _Null:
         return None
 
 
-def job_benchmark(rounds: int, block: int) -> None:
+def _bootstrap_ci(values: list[float], n: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval for the median of ``values`` (rounds resampled)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
+def job_benchmark(rounds: int, block: int, pin: bool) -> None:
     import json
+    import os
     import tempfile
 
     import torch.multiprocessing as mp
 
+    pin = pin and (os.cpu_count() or 1) >= 2
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     with tempfile.TemporaryDirectory() as out:
         hub = ThreadedHub(job="bench", record=str(Path(out, "bench.rtop"))).start()
         try:
             mp.start_processes(_bench_rank, nprocs=2, start_method="spawn", args=(
-                2, free_port(), hub.address, dead, hub.token, rounds, block, out))
+                2, free_port(), hub.address, dead, hub.token, rounds, block, out, pin))
         finally:
             hub.stop()
         per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
-    times = {name: [t for rank in per_rank for t in rank[name]] for name in CONFIGS}
-    counted = block - WARMUP
-    base = statistics.median(times["no rtop"])
+
+    def blocks(kind: str, name: str, r: int) -> list[float]:
+        return [t for rank in per_rank for t in rank[kind][name][r]]
+
+    def pooled(kind: str, name: str) -> float:
+        return statistics.median(t for r in range(rounds) for t in blocks(kind, name, r))
+
+    def round_ratios(kind: str, name: str) -> list[float]:
+        return [statistics.median(blocks(kind, name, r))
+                / statistics.median(blocks(kind, "no rtop", r)) for r in range(rounds)]
+
     print(f"\nwhole job: 2 ranks, gloo DDP on CPU, {rounds} rounds x {len(CONFIGS)} "
-          f"configurations x {block} steps, interleaved in the same processes")
-    print(f"{'configuration':30} {'median step':>12} {'ratio':>7} {'median of round ratios':>23}")
+          f"configurations x {block} steps, interleaved in the same processes"
+          f"{', each rank pinned to its own core' if pin else ''}")
+    print("step time: wall clock per step; ratio = pooled median / pooled median of"
+          " 'no rtop'; per round = median over rounds of (this block / the 'no rtop'"
+          " block of the same round), with its 95% bootstrap interval")
+    print(f"{'configuration':31} {'median step':>11} {'ratio':>7} {'per round':>10} "
+          f"{'95% interval':>15} {'CPU/step ratio':>15}")
     for name in CONFIGS:
-        med = statistics.median(times[name])
-        ratios = []
-        for r in range(rounds):
-            mine = times[name][r * counted:(r + 1) * counted]
-            ref = times["no rtop"][r * counted:(r + 1) * counted]
-            ratios.append(statistics.median(mine) / statistics.median(ref))
-        print(f"{name:30} {med * 1e3:9.2f} ms {med / base:6.3f}x "
-              f"{statistics.median(ratios):22.3f}x")
+        ratios = round_ratios("wall", name)
+        lo, hi = _bootstrap_ci(ratios)
+        cpu_ratio = statistics.median(round_ratios("cpu", name))
+        print(f"{name:31} {pooled('wall', name) * 1e3:8.2f} ms "
+              f"{pooled('wall', name) / pooled('wall', 'no rtop'):6.3f}x "
+              f"{statistics.median(ratios):9.3f}x  {lo:6.3f}-{hi:5.3f}x {cpu_ratio:14.3f}x")
 
 
 class _Bucket:
@@ -272,20 +308,52 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
             allreduce_hook(dist.group.WORLD, bucket).wait()  # type: ignore[arg-type]
         return ours / k, (time.thread_time() - t0) / k
 
+    def ddp_timer_cost(k: int, watched_first: bool) -> float:
+        """CPU time a real 1-rank DDP step (a tiny model) gains from rtop in its default
+        CPU mode: iter, step, DDP's timer sampled every step and read at step exit, and
+        the backward-done phase hook. The paired difference of two identical loops."""
+        torch.manual_seed(0)
+        x = torch.randn(8, 16)
+        out: dict[bool, float] = {}
+        for watched in ((True, False) if watched_first else (False, True)):
+            model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
+            p = collectors.Probe(detect(), collectors.ProbeConfig(buffer_records=10**6),
+                                 start_sender=False)
+            if watched:
+                p.watch(model)
+            loader = p.iter(range(k)) if watched else range(k)
+            t0 = time.thread_time()
+            for _ in loader:
+                if watched:
+                    with p.step():
+                        model(x).sum().backward()
+                else:
+                    model(x).sum().backward()
+            out[watched] = time.thread_time() - t0
+            p._records.clear()
+            p.close(0.1)
+            del model
+        return (out[True] - out[False]) / k
+
     loop_us = statistics.median((instrumented() - bare()) / n for _ in range(5)) * 1e6
     probe._records.clear()
     add_us = statistics.median(additions(50_000) for _ in range(9)) * 1e6
     dist.init_process_group("gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{free_port()}")
     real = [real_issue_cost(5_000) for _ in range(9)]
+    ddp_us = statistics.median(ddp_timer_cost(500, i % 2 == 1) for i in range(16)) * 1e6
     dist.destroy_process_group()
     ours_us = statistics.median(r[0] for r in real) * 1e6
     torch_us = statistics.median(r[1] for r in real) * 1e6
     print("\ntraining-thread cost per step (medians)")
     print(f"  probe.iter + probe.step:                         {loop_us:6.2f} us")
+    print("  on CUDA (and on CPU with comm_timing='hook'): rtop's comm hook")
     print(f"  comm hook, rtop's additions per bucket:          {add_us:6.2f} us")
     print(f"  total, iter + step + {buckets} buckets:                  "
           f"{loop_us + buckets * add_us:6.2f} us   (target <= 20 us)")
+    print("  on CPU, rtop's default: DDP's own timer, no comm hook. A real 1-rank DDP step")
+    print(f"    with iter + step + DDP's timer read + phase hook, less the same bare: "
+          f"{ddp_us:6.2f} us   (target <= 20 us)")
     print("  issuing a real 1-rank gloo allreduce, training-thread CPU per bucket:")
     print(f"    through rtop's hook {ours_us:6.1f} us, through torch's allreduce_hook "
           f"{torch_us:6.1f} us (rtop skips dist.all_reduce's Python checks)")
@@ -297,11 +365,13 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=60, help="steps per configuration block")
     ap.add_argument("--skip-job", action="store_true")
     ap.add_argument("--skip-micro", action="store_true")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="let the scheduler move the ranks (default: one core each)")
     args = ap.parse_args()
     if not args.skip_micro:
         thread_cost()
     if not args.skip_job:
-        job_benchmark(args.rounds, args.block)
+        job_benchmark(args.rounds, args.block, not args.no_pin)
 
 
 if __name__ == "__main__":

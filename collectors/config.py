@@ -54,6 +54,10 @@ class ProbeConfig:
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
     close_timeout_s: float = 2.0
+    #: How a DDP model's allreduce is timed: "auto" (DDP's own timer on CPU, a comm hook
+    #: with CUDA events on GPU) or "hook" (the comm hook everywhere: per-bucket detail
+    #: on CPU too, at the cost of one more pass over the gradients per step).
+    comm_timing: str = "auto"
     #: Give up on a GPU step time whose CUDA events have not completed after this long.
     cuda_resolve_timeout_s: float = 30.0
 
@@ -68,6 +72,7 @@ class ProbeConfig:
             sample_interval_s=_float("RTOP_SAMPLE_S", cls.sample_interval_s),
             stack_after_s=_float("RTOP_STACK_AFTER_S", cls.stack_after_s),
             memory_capacity_bytes=_int_or_none("RTOP_MEM_CAPACITY_BYTES"),
+            comm_timing=os.environ.get("RTOP_COMM_TIMING", cls.comm_timing).lower(),
         )
         known = {f.name for f in fields(cls)}
         unknown = set(overrides) - known

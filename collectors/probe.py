@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
+from collectors import ddptimer
 from collectors.config import ProbeConfig
 from collectors.cuda_events import EventPool
 from collectors.identity import Identity
@@ -23,9 +24,11 @@ log = logging.getLogger("collectors")
 T = TypeVar("T")
 
 #: A finished step as the training thread leaves it for the sender thread:
-#: (step, t_start, data_wait_s, t_enter, t_exit, samples, buckets, gap_s, cuda_pair)
+#: (step, t_start, data_wait_s, t_enter, t_exit, samples, buckets, gap_s, cuda_pair);
+#: ``buckets`` is the comm hook's bucket list, or DDP's own stamps (a tuple, see
+#: ``collectors.ddptimer``), or None when the collectives are not timed.
 RawStep = tuple[
-    int, float, "float | None", float, float, "int | None", "list[Any] | None",
+    int, float, "float | None", float, float, "int | None", "list[Any] | tuple[int, ...] | None",
     "float | None", "tuple[Any, Any] | None",
 ]
 
@@ -127,9 +130,11 @@ class _StepTimer:
         if p._cuda is not None and p._cuda_start is not None:
             cuda_pair = (p._cuda_start, p._cuda.record())
             p._cuda_start = None
-        buckets = p._comm
+        buckets: list[Any] | tuple[int, ...] | None = p._comm
         if buckets is not None:
             p._comm = []
+        elif p._ddp_logger is not None:
+            buckets = ddptimer.read(p)
         t_start = p._wait_t0 if p._wait_t0 is not None else p._t_enter
         gap = t_start - p._prev_exit if p._prev_exit is not None else None
         record: RawStep = (
@@ -205,6 +210,9 @@ class Probe:
         self._prev_exit: float | None = None
         self._comm: list[Any] | None = None  # per-step bucket entries once DDP is watched
         self._comm_world = 1
+        self._ddp_logger: Any = None  # DDP's logger when its own timer times the allreduce
+        self._ddp_iteration: int | None = None
+        self._comm_bytes = 0
         self._cuda: EventPool | None = None
         self._cuda_start: Any = None
         self._step_timer = _StepTimer(self)
@@ -237,10 +245,11 @@ class Probe:
     def watch(self, model: T, optimizer: Any = None) -> T:
         """Watch a model (and optionally its optimizer); returns the model unchanged.
 
-        A ``DistributedDataParallel`` model gets a comm hook timing each gradient
-        bucket's allreduce; any model's parameters, gradients and the optimizer's state
-        are counted for the memory breakdown; a model on CUDA switches step timing to
-        CUDA events and picks the GPU that NVML samples.
+        A ``DistributedDataParallel`` model's allreduce is timed: on CPU by DDP's own
+        timer (no comm hook, see ``collectors.ddptimer``), on CUDA by a comm hook
+        timing each gradient bucket with CUDA events. Any model's parameters, gradients
+        and the optimizer's state are counted for the memory breakdown; a model on CUDA
+        switches step timing to CUDA events and picks the GPU that NVML samples.
         """
         try:
             self._watch(model, optimizer)
@@ -261,7 +270,17 @@ class Probe:
             self._cuda = torch_cuda_pool()
             self._sender.use_cuda_device(int(self.memory.device.split(":")[1]))
         ddp = torch.nn.parallel.DistributedDataParallel
-        if isinstance(model, ddp):
+        if not isinstance(model, ddp):
+            return
+        if getattr(model, "_rtop_probe_box", None) is not None:
+            # watched before (by an earlier, closed probe): the same way again
+            timed_by_ddp = not hasattr(model, "_rtop_original_register_comm_hook")
+        else:
+            why_not = ddptimer.unusable_reason(model)
+            timed_by_ddp = self.config.comm_timing != "hook" and why_not is None
+        if timed_by_ddp:
+            self.notes.append(ddptimer.install(self, model))
+        else:
             from collectors.commhook import install
 
             self.notes.append(install(self, model))

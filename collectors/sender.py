@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from collectors import wire
 from collectors.cuda_events import seconds_between
 from collectors.schema import TABLES
-from collectors.timeline import comm_figures
+from collectors.timeline import comm_figures, span_comm_figures
 
 if TYPE_CHECKING:
     from collectors.probe import Probe, RawStep
@@ -239,7 +239,7 @@ class Sender(threading.Thread):
         pair = raw[8]
         assert pair is not None
         start, end = pair
-        buckets = raw[6] or []
+        buckets = raw[6] if isinstance(raw[6], list) else []  # CUDA: the comm hook's
         events = [start, end] + [e for b in buckets for e in (b[0], b[1])]
         if any(e is not None and not e.query() for e in events):
             return None
@@ -269,6 +269,8 @@ class Sender(threading.Thread):
         if gpu is not None:
             if gpu[1] is not None and buckets is not None:
                 comm = comm_figures([tuple(b) for b in gpu[1]], self._p._comm_world)
+        elif isinstance(buckets, tuple):
+            comm = self._ddp_comm(buckets, t_exit)
         elif buckets is not None:
             comm = comm_figures(
                 [(b[0], b[1] if b[1] is not None else t_exit, b[2]) for b in buckets],
@@ -283,6 +285,22 @@ class Sender(threading.Thread):
         return [
             step, self._wall(t_start), step_s, wait, compute, gpu_s, *comm, samples, gap,
         ]
+
+    def _ddp_comm(self, stamps: tuple[int, ...], t_exit: float) -> tuple[Any, ...]:
+        """A step's collective figures from DDP's own stamps (``collectors.ddptimer``)."""
+        if not stamps:
+            return 0.0, 0.0, 0, 0, None, None  # no synchronized backward in this step
+        start_ns, compute_end_ns, end_ns, calls, exit_ns = stamps
+        if start_ns <= 0 or end_ns < start_ns:
+            return (None,) * 6
+
+        def perf(ns: int) -> float:  # time.time_ns's clock to time.perf_counter's
+            return t_exit - (exit_ns - ns) / 1e9
+
+        return span_comm_figures(
+            perf(start_ns), perf(compute_end_ns) if compute_end_ns > 0 else perf(start_ns),
+            perf(end_ns), self._p._comm_bytes, calls, self._p._comm_world,
+        )
 
     def _add(self, table: str, row: list[Any]) -> None:
         self._rows[table].append(row)
@@ -365,7 +383,7 @@ class Sender(threading.Thread):
             "notes": list(self._p.notes),
             "device": nvml.info() if nvml is not None and nvml.available else None,
             "mem_device": self._p.memory.device,
-            "comm_measured": self._p._comm is not None,
+            "comm_measured": self._p._comm is not None or self._p._ddp_logger is not None,
             "cuda_timing": self._p._cuda is not None,
         }
 

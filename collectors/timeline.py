@@ -60,3 +60,19 @@ def comm_figures(
     algbw = nbytes / comm_s if comm_s > 0 else None
     busbw = bus_bandwidth(algbw, world_size) if algbw is not None else None
     return comm_s, exposed, nbytes, len(buckets), algbw, busbw
+
+
+def span_comm_figures(
+    start: float, last_launch: float, end: float, nbytes: int, calls: int, world_size: int
+) -> tuple[float, float, int, int, float | None, float | None]:
+    """Collective figures of one step from DDP's own stamps (see ``collectors.ddptimer``).
+
+    ``start`` is the first bucket's launch, ``last_launch`` the time backward produced
+    the last gradient, ``end`` the last bucket's completion. Same return as
+    :func:`comm_figures`; ``comm_s`` is the whole span.
+    """
+    comm_s = max(0.0, end - start)
+    exposed = min(comm_s, max(0.0, end - max(last_launch, start)))
+    algbw = nbytes / comm_s if comm_s > 0 and nbytes > 0 else None
+    busbw = bus_bandwidth(algbw, world_size) if algbw is not None else None
+    return comm_s, exposed, nbytes, calls, algbw, busbw

@@ -162,7 +162,8 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None
     return {
         "run": {
             "path": str(path),
-            "job": attempts[-1]["job"] if attempts else "",
+            "name": str(state.run_info.get("job") or ""),  # the hub's name for the job
+            "job": attempts[-1]["job"] if attempts else "",  # the job's own id (Ray run id)
             "world_size": attempts[-1]["world_size"] if attempts else 0,
             "attempts": len(attempts),
             "frames": res.frames,
@@ -184,11 +185,19 @@ def _fmt(v: Any, scale: float = 1.0, digits: int = 1) -> str:
     return f"{v * scale:.{digits}f}"
 
 
+def _job_label(run: dict[str, Any]) -> str:
+    """The job's name, with its own id beside it when the two differ (as in the UI)."""
+    name, job_id = run.get("name") or "", run.get("job") or ""
+    if name and job_id and name != job_id:
+        return f"{name} ({job_id})"
+    return name or job_id or "(unnamed)"
+
+
 def format_text(report: dict[str, Any]) -> str:
     """The report for a terminal: findings first, worst first, then the ranks."""
     run = report["run"]
     out = [f"rtop report  {run['path']}",
-           f"job {run['job'] or '(unnamed)'}  world size {run['world_size']}  "
+           f"job {_job_label(run)}  world size {run['world_size']}  "
            f"attempts {run['attempts']}  {run['duration_s']:.0f} s recorded  "
            f"{run['frames']} frames"]
     out += [f"warning: {w}" for w in run["warnings"][:5]]

@@ -54,7 +54,8 @@ def _compare_grads(rank: int, world: int, port: int, out: str, as_view: bool) ->
     from collectors.identity import detect
 
     _setup(rank, world, port)
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="hook"),
+                             start_sender=False)
     kw = {"bucket_cap_mb": 0.1, "gradient_as_bucket_view": as_view}  # several buckets
     plain = torch.nn.parallel.DistributedDataParallel(_model(), **kw)
     hooked = probe.watch(torch.nn.parallel.DistributedDataParallel(_model(), **kw))
@@ -87,7 +88,8 @@ def user_hook_after_watch(rank: int, world: int, port: int, out: str) -> None:
     from collectors.identity import detect
 
     _setup(rank, world, port)
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="hook"),
+                             start_sender=False)
     calls = {"n": 0}
 
     def counting_hook(state, bucket):
@@ -118,7 +120,8 @@ def user_hook_before_watch(rank: int, world: int, port: int, out: str) -> None:
     from collectors.identity import detect
 
     _setup(rank, world, port)
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="hook"),
+                             start_sender=False)
     calls = {"n": 0}
 
     def counting_hook(state, bucket):
@@ -135,5 +138,71 @@ def user_hook_before_watch(rank: int, world: int, port: int, out: str) -> None:
     probe.close(0.1)
     with open(os.path.join(out, f"rank{rank}"), "w") as f:
         f.write(f"{calls['n']} {int(raw[6] is None)} {probe.notes[-1]!r}")
+    del model
+    _teardown()
+
+
+def ddp_timer_figures(rank: int, world: int, port: int, out: str) -> None:
+    """On CPU, rtop reads DDP's own timer: no comm hook, figures per step, no_sync honoured."""
+    import json
+
+    import collectors
+    from collectors.identity import detect
+
+    _setup(rank, world, port)
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+    kw = {"bucket_cap_mb": 0.1}
+    plain = torch.nn.parallel.DistributedDataParallel(_model(), **kw)
+    timed = probe.watch(torch.nn.parallel.DistributedDataParallel(_model(), **kw))
+    same, rows = [], []
+    for step in range(8):
+        x = torch.randn(16, 40, generator=torch.Generator().manual_seed(rank * 100 + step))
+        if step == 5:  # gradient accumulation: no allreduce in this step
+            with probe.step(), timed.no_sync():
+                _grads(timed, x)
+            _grads(plain, x)  # keeps the two models' steps paired; not compared
+            continue
+        with probe.step():
+            g = _grads(timed, x)
+        same.append(all(torch.equal(a, b) for a, b in zip(_grads(plain, x), g, strict=True)))
+    while probe._records:
+        raw = probe._records.popleft()
+        rows.append(probe._sender._step_row(raw, None))
+    grad_bytes = sum(q.numel() * q.element_size() for q in timed.parameters())
+    probe.close(0.1)
+    with open(os.path.join(out, f"rank{rank}"), "w") as f:
+        json.dump({"same": all(same), "hooks": len(timed._comm_hooks), "note": probe.notes[-1],
+                   "grad_bytes": grad_bytes, "rows": rows}, f)
+    del plain, timed
+    _teardown()
+
+
+def ddp_timer_with_user_hook(rank: int, world: int, port: int, out: str) -> None:
+    """A user's comm hook registered before watch stays in charge and is timed anyway."""
+    import json
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import collectors
+    from collectors.identity import detect
+
+    _setup(rank, world, port)
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+    calls = {"n": 0}
+
+    def counting_hook(state, bucket):
+        calls["n"] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    model.register_comm_hook(dist.group.WORLD, counting_hook)
+    model = probe.watch(model)
+    for step in range(3):
+        with probe.step():
+            _grads(model, torch.randn(8, 40, generator=torch.Generator().manual_seed(step)))
+    rows = [probe._sender._step_row(probe._records.popleft(), None) for _ in range(3)]
+    probe.close(0.1)
+    with open(os.path.join(out, f"rank{rank}"), "w") as f:
+        json.dump({"calls": calls["n"], "rows": rows}, f)
     del model
     _teardown()

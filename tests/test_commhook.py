@@ -45,3 +45,42 @@ def test_user_hook_registered_before_watch_keeps_working(tmp_path):
         assert int(calls) >= 1
         assert unmeasured == "1", "comm must be reported as not measured, not as zero"
         assert "counting_hook" in note and "not measured" in note
+
+
+def _rows(rows: list[list]) -> list[dict]:
+    from collectors.schema import STEP_FIELDS
+
+    return [dict(zip(STEP_FIELDS, r, strict=True)) for r in rows]
+
+
+def test_on_cpu_ddp_own_timer_times_the_allreduce_without_a_comm_hook(tmp_path):
+    import json
+
+    for out in _run(ddp_workers.ddp_timer_figures, 3, tmp_path):
+        res = json.loads(out)
+        assert res["hooks"] == 0, "rtop registered a comm hook on a CPU model"
+        assert res["same"], "gradients differ from plain DDP"
+        assert "DDP's own timer" in res["note"]
+        rows = _rows(res["rows"])
+        assert [r["step"] for r in rows] == list(range(8))
+        for r in rows:
+            if r["step"] == 5:  # no_sync: no allreduce ran, and none is reported
+                assert r["comm_s"] == 0 and r["comm_bytes"] == 0
+                continue
+            assert r["comm_bytes"] == res["grad_bytes"]
+            assert r["comm_calls"] >= 1
+            assert 0 < r["comm_s"] < r["step_s"]
+            assert 0 <= r["comm_exposed_s"] <= r["comm_s"]
+            assert r["busbw_Bps"] > 0
+            body = r["step_s"] - (r["gap_s"] or 0) - (r["data_wait_s"] or 0)
+            assert r["compute_s"] == pytest.approx(body - r["comm_exposed_s"], abs=1e-6)
+
+
+def test_on_cpu_a_user_hook_registered_before_watch_is_timed_by_ddp(tmp_path):
+    import json
+
+    for out in _run(ddp_workers.ddp_timer_with_user_hook, 2, tmp_path):
+        res = json.loads(out)
+        assert res["calls"] >= 3, "the user's hook stopped being called"
+        for r in _rows(res["rows"]):
+            assert r["comm_s"] > 0 and r["comm_bytes"] > 0

@@ -52,7 +52,7 @@ def stop(proc: subprocess.Popen) -> str:
 
 def test_public_contract_serve_collectors_report(tmp_path):
     port, token, record = free_port(), "contract-token", tmp_path / "run.rtop"
-    hub = start_serve(port, token, record)
+    hub = start_serve(port, token, record, "--job", "resnet-sweep")
     try:
         spec = WorkloadSpec(world_size=2, steps=30, dim=64, hidden=128,
                             faults=Faults(loader_sleep_s={1: 0.02}))
@@ -84,6 +84,9 @@ def test_public_contract_serve_collectors_report(tmp_path):
         text = subprocess.run([*RTOP, "report", str(record)], capture_output=True, text=True,
                               check=True).stdout
         assert "Findings" in text and "finished" in text
+        # named as the UI names it: the hub's name, the job's own id beside it
+        assert report["run"]["name"] == "resnet-sweep"
+        assert f"job resnet-sweep ({report['run']['job']})" in text
     finally:
         log = stop(hub)
     assert log.count(token) == 1, "the token is printed once, in the banner, never logged"
