@@ -136,8 +136,9 @@ class RayHubActor:
     def __init__(self, job: str, record: str | None = None) -> None:
         from rtop.hub.service import ThreadedHub
 
+        # niced: on a node it shares with training workers, the workers come first
         self._hub = ThreadedHub(job=job, record=record, host="0.0.0.0", linger_s=600.0,
-                                on_exit=self._exit)
+                                on_exit=self._exit, nice=10)
         self._hub.start()
 
     def _exit(self) -> None:

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="exit S seconds after the job ended and no viewer is attached")
     serve.add_argument("--thresholds", default=None, metavar="FILE",
                        help="JSON file of diagnosis thresholds (see rtop/analysis/config.py)")
+    serve.add_argument("--nice", type=int, default=None, metavar="N",
+                       help="lower the hub's CPU priority by N so that training ranks on "
+                            "the same node come first (default: 10 for the hub that the "
+                            "collectors start on their node, else 0)")
 
     report = sub.add_parser("report", help="summarise a recorded run")
     report.add_argument("run", help="a recording (.rtop); may still be being written")
@@ -192,6 +196,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = args.job or f"serve-{os.getpid()}"
         discovery = str(runtime_dir() / f"hub-{name}.json")
     linger = args.linger if args.linger is not None else (300.0 if args.auto else None)
+    nice = args.nice if args.nice is not None else (10 if args.auto else 0)
+    if nice > 0:
+        from rtop.hub.service import lower_priority
+
+        lower_priority(nice)
     cfg = HubConfig(host=args.host, port=args.port, token=args.token, job=args.job,
                     record="" if args.no_record else args.record, linger_s=linger,
                     discovery_file=discovery)

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rtop.client import HubClient
@@ -178,6 +179,8 @@ def test_torchrun_style_job_finds_its_node_hub_without_settings(tmp_path, monkey
         assert snap["ranks"]["step"] == [24, 24]
         listed = subprocess.run([*RTOP, "list"], capture_output=True, text=True, check=True)
         assert hubs[0].address in listed.stdout
+        # the hub shares the node with the ranks: it runs niced, so they come first
+        assert psutil.Process(info["pid"]).nice() == psutil.Process().nice() + 10
     finally:
         os.kill(info["pid"], signal.SIGTERM)
     deadline = time.monotonic() + 10
@@ -219,6 +222,21 @@ def test_ray_train_job_discovers_the_actor_hub(tmp_path, monkeypatch):
     assert [(r["rank"], r["steps"]) for r in report["ranks"]] == [(0, 20), (1, 20)]
     assert report["run"]["job"] == hubs[0].job
     shutil.rmtree(Path(record).parent, ignore_errors=True)
+
+
+def test_a_niced_hub_thread_leaves_the_rest_of_its_process_alone():
+    from rtop.hub.service import ThreadedHub
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    hub = ThreadedHub(job="niced", record="", nice=7).start()
+    try:
+        tid = hub._thread.native_id
+        assert os.getpriority(os.PRIO_PROCESS, tid) == before + 7
+        assert os.getpriority(os.PRIO_PROCESS, 0) == before  # this (the main) thread
+        with HubClient(hub.address, hub.token) as c:
+            assert c.snapshot()["run"]["name"] == "niced"
+    finally:
+        hub.stop()
 
 
 def test_several_jobs_are_listed_for_the_user_to_choose(tmp_path):

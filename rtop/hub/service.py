@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +42,25 @@ async def serve(cfg: HubConfig, ready: Callable[[Hub], None] | None = None,
         await hub.close()
 
 
+def lower_priority(nice: int, thread: bool = False) -> bool:
+    """Lower this process's (or, on Linux, only this thread's) CPU priority by ``nice``.
+
+    The hub shares nodes with training ranks and their data loaders; run niced, it
+    takes the CPU time they leave, and when it cannot keep up, records are dropped
+    and counted rather than a rank slowed. Returns whether it took effect.
+    """
+    try:
+        if thread and sys.platform.startswith("linux"):
+            tid = threading.get_native_id()  # a Linux thread is a task with its own nice
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        else:
+            os.nice(nice)
+        return True
+    except (OSError, AttributeError) as exc:
+        log.info("rtop: could not lower the hub's priority: %s", exc)
+        return False
+
+
 class ThreadedHub:
     """A hub on a daemon thread with its own event loop.
 
@@ -49,12 +70,13 @@ class ThreadedHub:
     def __init__(self, job: str = "", record: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, token: str | None = None, linger_s: float | None = None,
                  on_exit: Callable[[], None] | None = None, thresholds: Any = None,
-                 **settings: Any) -> None:
+                 nice: int = 0, **settings: Any) -> None:
         self.cfg = HubConfig(host=host, port=port, token=token, job=job,
                              record=record if record is not None else None,
                              linger_s=linger_s, **settings)
         self.job = job
         self.thresholds = thresholds  # an AnalysisConfig, a JSON file path, or None
+        self.nice = nice  # the hub thread's niceness: >0 yields the CPU to the job
         self.hub: Hub | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
@@ -88,6 +110,8 @@ class ThreadedHub:
         return self
 
     def _run(self) -> None:
+        if self.nice:
+            lower_priority(self.nice, thread=True)
         loop = asyncio.new_event_loop()
         self._loop = loop
 
