@@ -77,6 +77,7 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
     loss_fn = torch.nn.MSELoss()
     wall: dict[str, list[list[float]]] = {name: [] for name in CONFIGS}
     cpu: dict[str, list[list[float]]] = {name: [] for name in CONFIGS}
+    sender_cpu: dict[str, list[float]] = {name: [] for name in CONFIGS}  # s per step
     for r in range(rounds):
         order = list(CONFIGS)
         random.Random(r).shuffle(order)  # the same order on every rank
@@ -116,6 +117,7 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
                     block_cpu.append(now_cpu - prev_cpu)
                 prev, prev_cpu = now, now_cpu
             if probe is not None:
+                sender_cpu[name].append(_thread_cpu(probe._sender) / max(1, block))
                 probe.close()
             if profiler is not None:
                 profiler.__exit__(None, None, None)
@@ -125,9 +127,17 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
             del model, opt, probe, profiler
             gc.collect()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"wall": wall, "cpu": cpu}, f)
+        json.dump({"wall": wall, "cpu": cpu, "sender_cpu": sender_cpu}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _thread_cpu(thread: Any) -> float:
+    """CPU seconds a live thread of this process has used so far (0 if unreadable)."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, AttributeError, TypeError):
+        return 0.0
 
 
 class _Null:
@@ -182,9 +192,9 @@ def job_benchmark(rounds: int, block: int, pin: bool) -> None:
     print("step time: wall clock per step; ratio = pooled median / pooled median of"
           " 'no rtop'; per round = median over rounds of (this block / the 'no rtop'"
           " block of the same round), with its 95% bootstrap interval")
+    print(f"the hub (niced, in this process) used {hub_cpu:.1%} of a core on average")
     print(f"{'configuration':31} {'median step':>11} {'ratio':>7} {'per round':>10} "
           f"{'95% interval':>15} {'CPU/step ratio':>15}")
-    print(f"the hub (niced, in this process) used {hub_cpu:.1%} of a core on average")
     for name in CONFIGS:
         ratios = round_ratios("wall", name)
         lo, hi = _bootstrap_ci(ratios)
@@ -192,6 +202,13 @@ def job_benchmark(rounds: int, block: int, pin: bool) -> None:
         print(f"{name:31} {pooled('wall', name) * 1e3:8.2f} ms "
               f"{pooled('wall', name) / pooled('wall', 'no rtop'):6.3f}x "
               f"{statistics.median(ratios):9.3f}x  {lo:6.3f}-{hi:5.3f}x {cpu_ratio:14.3f}x")
+    print("rtop's sender thread, CPU per step (median over blocks, both ranks):")
+    for name in CONFIGS:
+        per_step = [c for rank in per_rank for c in rank["sender_cpu"][name]]
+        if per_step:
+            med = statistics.median(per_step)
+            print(f"  {name:31} {med * 1e6:7.1f} us  "
+                  f"({med / pooled('wall', 'no rtop'):.2%} of a step)")
 
 
 class _Bucket:

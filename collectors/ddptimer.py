@@ -22,6 +22,7 @@ collective time; ``comm_calls`` is the number of buckets DDP reduced.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,8 @@ def unusable_reason(model: Any) -> str | None:
         return "the model is on CUDA (DDP's timer would synchronize the GPU when read)"
     if bool(getattr(model, "is_multi_device_module", False)):
         return "DDP does not time multi-device modules"
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        return "TORCH_DISTRIBUTED_DEBUG=DETAIL would make DDP log every step"
     return None
 
 
