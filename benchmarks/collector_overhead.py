@@ -329,32 +329,67 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
             allreduce_hook(dist.group.WORLD, bucket).wait()  # type: ignore[arg-type]
         return ours / k, (time.thread_time() - t0) / k
 
-    def ddp_timer_cost(k: int, watched_first: bool) -> float:
-        """CPU time a real 1-rank DDP step (a tiny model) gains from rtop in its default
-        CPU mode: iter, step, DDP's timer sampled every step and read at step exit, and
-        the backward-done phase hook. The paired difference of two identical loops."""
-        torch.manual_seed(0)
-        x = torch.randn(8, 16)
-        out: dict[bool, float] = {}
-        for watched in ((True, False) if watched_first else (False, True)):
-            model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
-            p = collectors.Probe(detect(), collectors.ProbeConfig(buffer_records=10**6),
-                                 start_sender=False)
-            if watched:
-                p.watch(model)
-            loader = p.iter(range(k)) if watched else range(k)
-            t0 = time.thread_time()
-            for _ in loader:
-                if watched:
-                    with p.step():
-                        model(x).sum().backward()
-                else:
-                    model(x).sum().backward()
-            out[watched] = time.thread_time() - t0
-            p._records.clear()
-            p.close(0.1)
-            del model
-        return (out[True] - out[False]) / k
+    def real_step_cost(rounds: int = 80, steps: int = 40) -> dict[str, Any]:
+        """Training-thread CPU per step of a real DDP step: the whole-job benchmark's
+        model and batch on 1 rank, in shuffled interleaved blocks, each on a fresh model.
+        CPU time of this thread only, so the other cores' noise does not enter; the
+        sender thread is not started (its cost is measured in the whole-job part).
+        Returns, per configuration, the median paired difference to "no rtop" in
+        seconds per step and its 95% bootstrap interval."""
+        import gc
+        import os
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as in the job; an idle OpenMP worker would spin beside us
+        if hasattr(os, "sched_setaffinity"):  # one core: no migrations mid-block
+            cores = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {min(cores)})
+
+        from rtop.workload import WorkloadSpec, build_model
+
+        spec = WorkloadSpec(world_size=1, batch=256, dim=256, hidden=512, layers=3)
+        x, y = torch.randn(spec.batch, spec.dim), torch.randn(spec.batch, 1)
+        loss_fn = torch.nn.MSELoss()
+        names = ("no rtop", "no rtop (A/A control)", "rtop, DDP's timer (CPU default)",
+                 "rtop, comm hook (comm_timing='hook')")
+        per: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(rounds):
+            order = list(names)
+            random.Random(r).shuffle(order)
+            for name in order:
+                model = torch.nn.parallel.DistributedDataParallel(build_model(spec))
+                opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+                p: Any = None
+                if name.startswith("rtop"):
+                    timing = "hook" if "hook" in name else "auto"
+                    p = collectors.Probe(detect(), collectors.ProbeConfig(
+                        buffer_records=10**6, comm_timing=timing), start_sender=False)
+                    p.watch(model, optimizer=opt)
+                loader: Any = p.iter(range(steps)) if p is not None else range(steps)
+                block: list[float] = []
+                for i in loader:
+                    t0 = time.thread_time()
+                    with p.step() if p is not None else _Null():
+                        loss_fn(model(x), y).backward()
+                        opt.step()
+                        opt.zero_grad()
+                    if i >= 10:
+                        block.append(time.thread_time() - t0)
+                per[name].append(statistics.median(block))
+                if p is not None:
+                    p._records.clear()
+                    p.close(0.1)
+                del model, opt, p
+                gc.collect()
+        torch.set_num_threads(threads)
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
+        base = per["no rtop"]
+        out: dict[str, Any] = {"base": statistics.median(base)}
+        for name in names[1:]:
+            deltas = [a - b for a, b in zip(per[name], base, strict=True)]
+            out[name] = (statistics.median(deltas), *_bootstrap_ci(deltas))
+        return out
 
     loop_us = statistics.median((instrumented() - bare()) / n for _ in range(5)) * 1e6
     probe._records.clear()
@@ -362,7 +397,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{free_port()}")
     real = [real_issue_cost(5_000) for _ in range(9)]
-    ddp_us = statistics.median(ddp_timer_cost(500, i % 2 == 1) for i in range(16)) * 1e6
+    real_step = real_step_cost()
     dist.destroy_process_group()
     ours_us = statistics.median(r[0] for r in real) * 1e6
     torch_us = statistics.median(r[1] for r in real) * 1e6
@@ -372,9 +407,14 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
     print(f"  comm hook, rtop's additions per bucket:          {add_us:6.2f} us")
     print(f"  total, iter + step + {buckets} buckets:                  "
           f"{loop_us + buckets * add_us:6.2f} us   (target <= 20 us)")
-    print("  on CPU, rtop's default: DDP's own timer, no comm hook. A real 1-rank DDP step")
-    print(f"    with iter + step + DDP's timer read + phase hook, less the same bare: "
-          f"{ddp_us:6.2f} us   (target <= 20 us)")
+    print(f"  a real DDP step of the whole-job benchmark's model, 1 rank, training-thread CPU"
+          f" ({real_step['base'] * 1e3:.2f} ms bare), added per step (median of paired"
+          f" blocks):")
+    for name, value in real_step.items():
+        if name != "base":
+            delta, lo, hi = value
+            print(f"    {name:38} {delta * 1e6:+8.1f} us  ({delta / real_step['base']:+.2%});"
+                  f" 95% interval {lo * 1e6:+.0f} to {hi * 1e6:+.0f} us")
     print("  issuing a real 1-rank gloo allreduce, training-thread CPU per bucket:")
     print(f"    through rtop's hook {ours_us:6.1f} us, through torch's allreduce_hook "
           f"{torch_us:6.1f} us (rtop skips dist.all_reduce's Python checks)")
