@@ -3,10 +3,10 @@
 Part 1 - whole job: one 2-rank gloo DDP job (~20 ms steps) that switches, block by
 block in shuffled rounds, between (a) no rtop, (b) no rtop again (an A/A control: its
 ratio is the benchmark's noise floor), (c) collectors with the hub up, (d) collectors
-with the hub unreachable, (e) collectors with the hub up, timing the allreduce with
-rtop's comm hook instead of DDP's own timer (what CUDA models use, forced here with
-``comm_timing="hook"``), (f) torch's own Python ``allreduce_hook`` and no rtop (what
-any Python comm hook costs DDP on CPU), (g) torch.profiler on.
+with the hub unreachable (both with the default comm hook timing), (e) collectors
+with the hub up timing the allreduce with DDP's own timer (``comm_timing="ddp"``),
+(f) torch's own Python ``allreduce_hook`` and no rtop (what any Python comm hook costs
+DDP on CPU), (g) torch.profiler on.
 Prints the median step time of each and its ratio to (a), pooled, plus the median of
 the per-round ratios with a 95% bootstrap interval, and the ratio of CPU time per step
 (all the rank's threads, rtop's sender included).
@@ -34,7 +34,7 @@ from rtop.workload import free_port
 
 WARMUP = 20  # steps after each switch of configuration that are not counted (startup)
 CONFIGS = ("no rtop", "no rtop (A/A control)", "collectors, hub up",
-           "collectors, hub unreachable", "collectors, comm hook timing",
+           "collectors, hub unreachable", "collectors, DDP timer (ddp)",
            "torch's allreduce_hook, no rtop", "torch.profiler on")
 
 
@@ -91,7 +91,7 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
             profiler: Any = None
             if name.startswith("collectors"):
                 hub = hub_dead if name.endswith("unreachable") else hub_up
-                timing = "hook" if name.endswith("comm hook timing") else "auto"
+                timing = "ddp" if name.endswith("(ddp)") else "hook"
                 probe = collectors.Probe(detect(), collectors.ProbeConfig(
                     hub=hub, token=token, comm_timing=timing))
                 probe.watch(model, optimizer=opt)
@@ -350,8 +350,8 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
         spec = WorkloadSpec(world_size=1, batch=256, dim=256, hidden=512, layers=3)
         x, y = torch.randn(spec.batch, spec.dim), torch.randn(spec.batch, 1)
         loss_fn = torch.nn.MSELoss()
-        names = ("no rtop", "no rtop (A/A control)", "rtop, DDP's timer (CPU default)",
-                 "rtop, comm hook (comm_timing='hook')")
+        names = ("no rtop", "no rtop (A/A control)", "rtop, comm hook (default)",
+                 "rtop, DDP's timer (comm_timing='ddp')")
         per: dict[str, list[float]] = {name: [] for name in names}
         for r in range(rounds):
             order = list(names)
@@ -361,7 +361,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
                 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
                 p: Any = None
                 if name.startswith("rtop"):
-                    timing = "hook" if "hook" in name else "auto"
+                    timing = "ddp" if "'ddp'" in name else "hook"
                     p = collectors.Probe(detect(), collectors.ProbeConfig(
                         buffer_records=10**6, comm_timing=timing), start_sender=False)
                     p.watch(model, optimizer=opt)
@@ -403,7 +403,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
     torch_us = statistics.median(r[1] for r in real) * 1e6
     print("\ntraining-thread cost per step (medians)")
     print(f"  probe.iter + probe.step:                         {loop_us:6.2f} us")
-    print("  on CUDA (and on CPU with comm_timing='hook'): rtop's comm hook")
+    print("  rtop's comm hook (the default; CUDA events on GPU)")
     print(f"  comm hook, rtop's additions per bucket:          {add_us:6.2f} us")
     print(f"  total, iter + step + {buckets} buckets:                  "
           f"{loop_us + buckets * add_us:6.2f} us   (target <= 20 us)")

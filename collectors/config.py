@@ -54,10 +54,10 @@ class ProbeConfig:
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
     close_timeout_s: float = 2.0
-    #: How a DDP model's allreduce is timed: "auto" (DDP's own timer on CPU, a comm hook
-    #: with CUDA events on GPU) or "hook" (the comm hook everywhere: per-bucket detail
-    #: on CPU too, at the cost of one more pass over the gradients per step).
-    comm_timing: str = "auto"
+    #: How a DDP model's allreduce is timed: "hook" (a comm hook timing each bucket; CUDA
+    #: events on GPU) or "ddp" (on CPU, DDP's own C++ timer and no hook: no extra pass
+    #: over the gradients; see ``collectors.ddptimer``; CUDA models keep the hook).
+    comm_timing: str = "hook"
     #: Give up on a GPU step time whose CUDA events have not completed after this long.
     cuda_resolve_timeout_s: float = 30.0
 

@@ -245,11 +245,12 @@ class Probe:
     def watch(self, model: T, optimizer: Any = None) -> T:
         """Watch a model (and optionally its optimizer); returns the model unchanged.
 
-        A ``DistributedDataParallel`` model's allreduce is timed: on CPU by DDP's own
-        timer (no comm hook, see ``collectors.ddptimer``), on CUDA by a comm hook
-        timing each gradient bucket with CUDA events. Any model's parameters, gradients
-        and the optimizer's state are counted for the memory breakdown; a model on CUDA
-        switches step timing to CUDA events and picks the GPU that NVML samples.
+        A ``DistributedDataParallel`` model's allreduce is timed by a comm hook timing
+        each gradient bucket (with CUDA events on GPU), or on CPU with
+        ``comm_timing="ddp"`` by DDP's own timer (see ``collectors.ddptimer``). Any
+        model's parameters, gradients and the optimizer's state are counted for the
+        memory breakdown; a model on CUDA switches step timing to CUDA events and picks
+        the GPU that NVML samples.
         """
         try:
             self._watch(model, optimizer)
@@ -277,7 +278,7 @@ class Probe:
             timed_by_ddp = not hasattr(model, "_rtop_original_register_comm_hook")
         else:
             why_not = ddptimer.unusable_reason(model)
-            timed_by_ddp = self.config.comm_timing != "hook" and why_not is None
+            timed_by_ddp = self.config.comm_timing == "ddp" and why_not is None
         if timed_by_ddp:
             self.notes.append(ddptimer.install(self, model))
         else:

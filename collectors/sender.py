@@ -270,7 +270,7 @@ class Sender(threading.Thread):
             if gpu[1] is not None and buckets is not None:
                 comm = comm_figures([tuple(b) for b in gpu[1]], self._p._comm_world)
         elif isinstance(buckets, tuple):
-            comm = self._ddp_comm(buckets, t_exit)
+            comm = self._ddp_comm(buckets, t_enter, t_exit)
         elif buckets is not None:
             comm = comm_figures(
                 [(b[0], b[1] if b[1] is not None else t_exit, b[2]) for b in buckets],
@@ -286,7 +286,9 @@ class Sender(threading.Thread):
             step, self._wall(t_start), step_s, wait, compute, gpu_s, *comm, samples, gap,
         ]
 
-    def _ddp_comm(self, stamps: tuple[int, ...], t_exit: float) -> tuple[Any, ...]:
+    def _ddp_comm(
+        self, stamps: tuple[int, ...], t_enter: float, t_exit: float
+    ) -> tuple[Any, ...]:
         """A step's collective figures from DDP's own stamps (``collectors.ddptimer``)."""
         if not stamps:
             return 0.0, 0.0, 0, 0, None, None  # no synchronized backward in this step
@@ -296,6 +298,9 @@ class Sender(threading.Thread):
 
         def perf(ns: int) -> float:  # time.time_ns's clock to time.perf_counter's
             return t_exit - (exit_ns - ns) / 1e9
+
+        if perf(end_ns) < t_enter - 0.001:  # an earlier step's stamps: no allreduce here
+            return 0.0, 0.0, 0, 0, None, None
 
         return span_comm_figures(
             perf(start_ns), perf(compute_end_ns) if compute_end_ns > 0 else perf(start_ns),

@@ -143,14 +143,16 @@ def user_hook_before_watch(rank: int, world: int, port: int, out: str) -> None:
 
 
 def ddp_timer_figures(rank: int, world: int, port: int, out: str) -> None:
-    """On CPU, rtop reads DDP's own timer: no comm hook, figures per step, no_sync honoured."""
+    """With comm_timing="ddp", rtop reads DDP's own timer: no comm hook, figures per step,
+    no_sync honoured."""
     import json
 
     import collectors
     from collectors.identity import detect
 
     _setup(rank, world, port)
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="ddp"),
+                             start_sender=False)
     kw = {"bucket_cap_mb": 0.1}
     plain = torch.nn.parallel.DistributedDataParallel(_model(), **kw)
     timed = probe.watch(torch.nn.parallel.DistributedDataParallel(_model(), **kw))
@@ -187,7 +189,8 @@ def ddp_timer_with_user_hook(rank: int, world: int, port: int, out: str) -> None
     from collectors.identity import detect
 
     _setup(rank, world, port)
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="ddp"),
+                             start_sender=False)
     calls = {"n": 0}
 
     def counting_hook(state, bucket):

@@ -53,7 +53,7 @@ def _rows(rows: list[list]) -> list[dict]:
     return [dict(zip(STEP_FIELDS, r, strict=True)) for r in rows]
 
 
-def test_on_cpu_ddp_own_timer_times_the_allreduce_without_a_comm_hook(tmp_path):
+def test_ddp_timing_mode_times_the_allreduce_without_a_comm_hook(tmp_path):
     import json
 
     for out in _run(ddp_workers.ddp_timer_figures, 3, tmp_path):
@@ -76,7 +76,7 @@ def test_on_cpu_ddp_own_timer_times_the_allreduce_without_a_comm_hook(tmp_path):
             assert r["compute_s"] == pytest.approx(body - r["comm_exposed_s"], abs=1e-6)
 
 
-def test_on_cpu_a_user_hook_registered_before_watch_is_timed_by_ddp(tmp_path):
+def test_ddp_timing_mode_times_a_user_hook_registered_before_watch(tmp_path):
     import json
 
     for out in _run(ddp_workers.ddp_timer_with_user_hook, 2, tmp_path):
