@@ -33,6 +33,27 @@ def _model(seed: int = 0) -> torch.nn.Module:
     )
 
 
+def _probe(mode: str):
+    import collectors
+    from collectors.identity import detect
+
+    return collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing=mode),
+                            start_sender=False)
+
+
+def _counting_hook():
+    """A user's comm hook (torch's allreduce_hook) that counts its calls."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    calls = {"n": 0}
+
+    def counting_hook(state, bucket):
+        calls["n"] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    return calls, counting_hook
+
+
 def _grads(model: torch.nn.Module, x: torch.Tensor, to_none: bool = True) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=to_none)
     model(x).pow(2).sum().backward()
@@ -50,12 +71,8 @@ def compare_grads_bucket_view(rank: int, world: int, port: int, out: str) -> Non
 
 
 def _compare_grads(rank: int, world: int, port: int, out: str, as_view: bool) -> None:
-    import collectors
-    from collectors.identity import detect
-
     _setup(rank, world, port)
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="hook"),
-                             start_sender=False)
+    probe = _probe("hook")
     kw = {"bucket_cap_mb": 0.1, "gradient_as_bucket_view": as_view}  # several buckets
     plain = torch.nn.parallel.DistributedDataParallel(_model(), **kw)
     hooked = probe.watch(torch.nn.parallel.DistributedDataParallel(_model(), **kw))
@@ -82,19 +99,9 @@ def _compare_grads(rank: int, world: int, port: int, out: str, as_view: bool) ->
 
 def user_hook_after_watch(rank: int, world: int, port: int, out: str) -> None:
     """A comm hook the user registers after watch keeps working and is timed."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    import collectors
-    from collectors.identity import detect
-
     _setup(rank, world, port)
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="hook"),
-                             start_sender=False)
-    calls = {"n": 0}
-
-    def counting_hook(state, bucket):
-        calls["n"] += 1
-        return default_hooks.allreduce_hook(state, bucket)
+    probe = _probe("hook")
+    calls, counting_hook = _counting_hook()
 
     model = probe.watch(torch.nn.parallel.DistributedDataParallel(_model()))
     model.register_comm_hook(dist.group.WORLD, counting_hook)
@@ -114,19 +121,9 @@ def user_hook_after_watch(rank: int, world: int, port: int, out: str) -> None:
 
 def user_hook_before_watch(rank: int, world: int, port: int, out: str) -> None:
     """A hook registered before watch stays in charge; rtop says comm is unmeasured."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    import collectors
-    from collectors.identity import detect
-
     _setup(rank, world, port)
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="hook"),
-                             start_sender=False)
-    calls = {"n": 0}
-
-    def counting_hook(state, bucket):
-        calls["n"] += 1
-        return default_hooks.allreduce_hook(state, bucket)
+    probe = _probe("hook")
+    calls, counting_hook = _counting_hook()
 
     model = torch.nn.parallel.DistributedDataParallel(_model())
     model.register_comm_hook(dist.group.WORLD, counting_hook)
@@ -147,12 +144,8 @@ def ddp_timer_figures(rank: int, world: int, port: int, out: str) -> None:
     no_sync honoured."""
     import json
 
-    import collectors
-    from collectors.identity import detect
-
     _setup(rank, world, port)
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="ddp"),
-                             start_sender=False)
+    probe = _probe("ddp")
     kw = {"bucket_cap_mb": 0.1}
     plain = torch.nn.parallel.DistributedDataParallel(_model(), **kw)
     timed = probe.watch(torch.nn.parallel.DistributedDataParallel(_model(), **kw))
@@ -183,19 +176,9 @@ def ddp_timer_with_user_hook(rank: int, world: int, port: int, out: str) -> None
     """A user's comm hook registered before watch stays in charge and is timed anyway."""
     import json
 
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    import collectors
-    from collectors.identity import detect
-
     _setup(rank, world, port)
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="ddp"),
-                             start_sender=False)
-    calls = {"n": 0}
-
-    def counting_hook(state, bucket):
-        calls["n"] += 1
-        return default_hooks.allreduce_hook(state, bucket)
+    probe = _probe("ddp")
+    calls, counting_hook = _counting_hook()
 
     model = torch.nn.parallel.DistributedDataParallel(_model())
     model.register_comm_hook(dist.group.WORLD, counting_hook)
