@@ -3,8 +3,9 @@
 Part 1 - whole job: one 2-rank gloo DDP job (~20 ms steps) that switches, block by
 block in shuffled rounds, between (a) no rtop, (b) no rtop again (an A/A control: its
 ratio is the benchmark's noise floor), (c) collectors with the hub up, (d) collectors
-with the hub unreachable (both with the default comm hook timing), (e) collectors
-with the hub up timing the allreduce with DDP's own timer (``comm_timing="ddp"``),
+with the hub unreachable (both with the default timing: DDP's own timer on CPU),
+(e) collectors with the hub up timing the allreduce with rtop's comm hook instead
+(``comm_timing="hook"``, what a GPU job runs),
 (f) torch's own Python ``allreduce_hook`` and no rtop (what any Python comm hook costs
 DDP on CPU), (g) torch.profiler on.
 Prints the median step time of each and its ratio to (a), pooled, plus the median of
@@ -34,7 +35,7 @@ from rtop.workload import free_port
 
 WARMUP = 20  # steps after each switch of configuration that are not counted (startup)
 CONFIGS = ("no rtop", "no rtop (A/A control)", "collectors, hub up",
-           "collectors, hub unreachable", "collectors, DDP timer (ddp)",
+           "collectors, hub unreachable", "collectors, comm hook (hook)",
            "torch's allreduce_hook, no rtop", "torch.profiler on")
 
 
@@ -91,7 +92,7 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
             profiler: Any = None
             if name.startswith("collectors"):
                 hub = hub_dead if name.endswith("unreachable") else hub_up
-                timing = "ddp" if name.endswith("(ddp)") else "hook"
+                timing = "hook" if name.endswith("(hook)") else "ddp"
                 probe = collectors.Probe(detect(), collectors.ProbeConfig(
                     hub=hub, token=token, comm_timing=timing))
                 probe.watch(model, optimizer=opt)
@@ -350,8 +351,8 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
         spec = WorkloadSpec(world_size=1, batch=256, dim=256, hidden=512, layers=3)
         x, y = torch.randn(spec.batch, spec.dim), torch.randn(spec.batch, 1)
         loss_fn = torch.nn.MSELoss()
-        names = ("no rtop", "no rtop (A/A control)", "rtop, comm hook (default)",
-                 "rtop, DDP's timer (comm_timing='ddp')")
+        names = ("no rtop", "no rtop (A/A control)", "rtop, DDP's timer (the default)",
+                 "rtop, comm hook (comm_timing='hook')")
         per: dict[str, list[float]] = {name: [] for name in names}
         for r in range(rounds):
             order = list(names)
@@ -361,7 +362,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
                 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
                 p: Any = None
                 if name.startswith("rtop"):
-                    timing = "ddp" if "'ddp'" in name else "hook"
+                    timing = "hook" if "'hook'" in name else "ddp"
                     p = collectors.Probe(detect(), collectors.ProbeConfig(
                         buffer_records=10**6, comm_timing=timing), start_sender=False)
                     p.watch(model, optimizer=opt)
@@ -403,7 +404,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
     torch_us = statistics.median(r[1] for r in real) * 1e6
     print("\ntraining-thread cost per step (medians)")
     print(f"  probe.iter + probe.step:                         {loop_us:6.2f} us")
-    print("  rtop's comm hook (the default; CUDA events on GPU)")
+    print("  rtop's comm hook (the GPU default; on CPU with RTOP_COMM_TIMING=hook)")
     print(f"  comm hook, rtop's additions per bucket:          {add_us:6.2f} us")
     print(f"  total, iter + step + {buckets} buckets:                  "
           f"{loop_us + buckets * add_us:6.2f} us   (target <= 20 us)")

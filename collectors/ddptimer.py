@@ -1,4 +1,4 @@
-"""Collective timing from DDP's own C++ timer, on CPU (``RTOP_COMM_TIMING=ddp``).
+"""Collective timing from DDP's own C++ timer, on CPU (the default; ``RTOP_COMM_TIMING``).
 
 Any Python comm hook, rtop's or torch's own ``allreduce_hook``, changes DDP's gradient
 path: DDP then copies each gradient into its bucket unscaled and leaves the averaging
@@ -10,10 +10,8 @@ bucket's allreduce is launched, when the last gradient is ready, and when the la
 allreduce has finished. Sampled every iteration, these stamps give the step's
 collective figures and leave the gradients' path exactly as DDP built it.
 
-Not the default yet: the comm hook is the mode the full test suite has run against in
-CI. (A spurious straggler in one 2-rank checkpoint scenario first looked like this
-mode's doing; interleaved runs showed it in both modes: 2 of 15 here, 3 of 13 with the
-hook.)
+The default for CPU models; ``RTOP_COMM_TIMING=hook`` (``ProbeConfig(comm_timing=
+"hook")``) keeps the comm hook everywhere, for its per-bucket intervals.
 
 On CUDA the same timer records CUDA events and synchronizes them when read, which
 would stall the host every step, so CUDA models keep the comm hook with pooled events

@@ -245,9 +245,9 @@ class Probe:
     def watch(self, model: T, optimizer: Any = None) -> T:
         """Watch a model (and optionally its optimizer); returns the model unchanged.
 
-        A ``DistributedDataParallel`` model's allreduce is timed by a comm hook timing
-        each gradient bucket (with CUDA events on GPU), or on CPU with
-        ``comm_timing="ddp"`` by DDP's own timer (see ``collectors.ddptimer``). Any
+        A ``DistributedDataParallel`` model's allreduce is timed, on CPU, by DDP's own
+        timer (see ``collectors.ddptimer``), and on GPU (or with ``comm_timing="hook"``)
+        by a comm hook timing each gradient bucket with CUDA events. Any
         model's parameters, gradients and the optimizer's state are counted for the
         memory breakdown; a model on CUDA switches step timing to CUDA events and picks
         the GPU that NVML samples.

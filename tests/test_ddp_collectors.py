@@ -50,3 +50,7 @@ def test_comm_bytes_equal_gradient_bytes(listener, world_size):
             assert row["comm_calls"] >= 1
             assert row["busbw_Bps"] == pytest.approx(
                 row["algbw_Bps"] * 2 * (world_size - 1) / world_size)
+    # on CPU, by default, DDP's own timer measures this (no comm hook), and rtop says so
+    notes = {b["rank"]: b["meta"]["notes"] for b in listener.batches() if "meta" in b}
+    assert sorted(notes) == list(range(world_size))
+    assert all(any("DDP's own timer" in n for n in ns) for ns in notes.values()), notes

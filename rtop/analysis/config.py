@@ -47,6 +47,7 @@ class AnalysisConfig:
     straggler_ratio: float = 1.3  # compute at least this many times the others' median
     straggler_min_excess_s: float = 0.005  # ... and at least this much longer
     straggler_min_share: float = 0.10  # ... and the excess at least this share of its step
+    straggler_min_fraction: float = 0.75  # ... in at least this share of its recent steps
     straggler_clear: float = 0.8
     # slow_link
     fabric_busbw: dict[str, float | None] = field(

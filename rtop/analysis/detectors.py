@@ -309,6 +309,14 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
         hit = ok & (comp >= others * (1 + (cfg.straggler_ratio - 1) * k)) \
             & (excess >= cfg.straggler_min_excess_s * k) \
             & (np.isnan(step) | (excess >= cfg.straggler_min_share * k * step))
+        # slow in most of its recent steps, not in a burst that tipped the median: a
+        # second of CPU contention slows some rank for ten-odd steps, a straggler stays
+        per_step = w.recent_compute
+        slow_step = (per_step >= (others * (1 + (cfg.straggler_ratio - 1) * k))[:, None]) \
+            & (per_step - others[:, None] >= (cfg.straggler_min_excess_s * k)[:, None])
+        valid = (~np.isnan(per_step)).sum(axis=1)
+        fraction = np.where(valid > 0, slow_step.sum(axis=1) / np.maximum(valid, 1), 0.0)
+        hit &= fraction >= cfg.straggler_min_fraction * k
     flagged = np.flatnonzero(hit).tolist()
     if not flagged or len(flagged) > max(1, ok.sum() // 2):
         return None  # over half "slow" is no straggler: the others are fast
@@ -321,7 +329,8 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
     ev = {"ranks": {str(w.rank[i]): {"node": w.ranks[i].node, "compute_s": _f(comp[i]),
                                      "peers_compute_s": _f(others[i]),
                                      "data_wait_s": _f(w.steps["data_wait_s"][i]),
-                                     "comm_s": _f(comm[i])}
+                                     "comm_s": _f(comm[i]),
+                                     "slow_step_fraction": _f(fraction[i])}
                     for i in flagged[:MAX_EVIDENCE_RANKS]},
           "peers_comm_s_median": _f(_nanmedian(comm[peers])), "cause": cause,
           "rank_counters": cause_ev}

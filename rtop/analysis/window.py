@@ -37,6 +37,7 @@ class Window:
     world_size: int
     steps: dict[str, np.ndarray]  # recent medians: step_s, data_wait_s, ...
     n_recent: np.ndarray  # steps the medians are taken over
+    recent_compute: np.ndarray  # (n, k): compute_s of each of those steps, NaN elsewhere
     step_rate: np.ndarray  # steps per second, recent
     latest: dict[str, np.ndarray]  # latest samples: gpu_util_pct, mem_peak_bytes, ...
     phase: list[str | None]
@@ -74,9 +75,11 @@ class Window:
 
 
 def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
-                    cfg: AnalysisConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    cfg: AnalysisConfig
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Medians over each rank's steps of the last ``recent_s`` seconds (at least
-    ``recent_min_steps``, at most ``recent_max_steps``), their count and step rate."""
+    ``recent_min_steps``, at most ``recent_max_steps``), their count, step rate, and
+    the compute figure of each of those steps (``(n, k)``, NaN where dropped)."""
     rings = state.steps
     k = cfg.recent_max_steps
     names = ["t_wall", *_STEP_FIGURES]
@@ -99,7 +102,7 @@ def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
         np.where(valid, t, np.inf), axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         rate = np.where((count > 1) & (span > 0), (count - 1) / span, np.nan)
-    return med, count, rate
+    return med, count, rate, last[:, :, 1 + _STEP_FIGURES.index("compute_s")].astype(np.float64)
 
 
 def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, n_samples: int
@@ -150,16 +153,18 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None) -> Wind
     names: dict[str, int] = {}
     node_of = np.array([names.setdefault(r.node, len(names)) for r in ranks], dtype=np.int64)
     if n:
-        med, count, rate = _recent_medians(state, ranks, slots, cfg)
+        med, count, rate, compute = _recent_medians(state, ranks, slots, cfg)
         latest = state.latest[slots]
         slope, growth, r2 = _mem_trend(state, ranks, slots, cfg.mem_trend_samples)
     else:
         med = np.empty((0, len(_STEP_FIGURES) + 1))
         count = rate = slope = growth = r2 = np.empty(0)
+        compute = np.empty((0, cfg.recent_max_steps))
         latest = np.empty((0, len(LATEST)))
     gone = np.array([r.slot is None for r in ranks], dtype=bool)
     if gone.any():
         med[gone] = np.nan
+        compute[gone] = np.nan
         latest[gone] = np.nan
     steps = {f: med[:, j + 1] for j, f in enumerate(_STEP_FIGURES)}
     lat = {f: latest[:, i] for f, i in _LATEST.items()}
@@ -175,6 +180,7 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None) -> Wind
         node=list(names), node_of=node_of, status=[r.status for r in ranks],
         active=np.array([r.status == "active" for r in ranks], dtype=bool),
         world_size=att.world_size if att else 0, steps=steps, n_recent=count,
+        recent_compute=compute,
         step_rate=rate, latest=lat, phase=[r.phase for r in ranks], phase_age_s=phase_age,
         mem_slope=slope, mem_growth=growth, mem_r2=r2,
         gpu_name=[d.get("name") if d else None for d in dev],
