@@ -33,24 +33,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rtop.hub.service import ThreadedHub
 from rtop.workload import free_port
 
-WARMUP = 20  # steps after each switch of configuration that are not counted (startup)
+WARMUP = 20  # default: steps after each switch of configuration not counted (startup)
 CONFIGS = ("no rtop", "no rtop (A/A control)", "collectors, hub up",
            "collectors, hub unreachable", "collectors, comm hook (hook)",
            "torch's allreduce_hook, no rtop", "torch.profiler on")
+#: Configurations that install a comm hook, which DDP cannot take back: each of their
+#: blocks builds a model of its own (so their ratios carry the noise of a fresh model's
+#: memory placement, which the others, sharing one model per round, do not)
+OWN_MODEL = ("collectors, comm hook (hook)", "torch's allreduce_hook, no rtop")
 
 
 def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, token: str,
-                rounds: int, block: int, out_dir: str, pin: bool) -> None:
+                rounds: int, block: int, out_dir: str, pin: bool, warmup: int) -> None:
     """One rank: the same DDP job, switching configuration every ``block`` steps.
 
     Running every configuration inside the same two processes, in shuffled order round
     after round, cancels the run-to-run noise (core placement, caches) that dominates
-    separate runs on a small shared machine. Every block builds a fresh model, DDP
-    wrapper and optimizer from the same seed: no configuration keeps one copy of the
-    model for the whole run, so a copy that happens to sit better in memory cannot bias
-    one configuration (that bias, not the scheduler, was what moved the A/A control by
-    up to 3%). Each collectors block starts a fresh probe (its sender thread, its
-    connection) and closes it at the end, so "no rtop" blocks run with no rtop thread.
+    separate runs on a small shared machine. Every round builds a fresh model, DDP
+    wrapper and optimizer, used by all the configurations of that round that leave a
+    model as they found it: no configuration keeps its own copy for the whole run, so
+    a copy that happens to sit better in memory cannot bias one configuration (that
+    bias, not the scheduler, once moved the A/A control by up to 3%), and within a
+    round the blocks differ only in rtop. Each collectors block starts a fresh probe
+    (its sender thread, its connection) and closes it at the end, so "no rtop" blocks
+    run with no rtop thread.
     Per step it keeps the wall time and the process's CPU time (all its threads: the
     training thread, gloo's, and rtop's sender when there is one).
     """
@@ -82,9 +88,16 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
     for r in range(rounds):
         order = list(CONFIGS)
         random.Random(r).shuffle(order)  # the same order on every rank
+        # one model for the round, shared by every configuration that leaves the model
+        # as it found it (a closed probe does): their blocks differ only in rtop
+        shared = torch.nn.parallel.DistributedDataParallel(build_model(spec))
+        shared_opt = torch.optim.SGD(shared.parameters(), lr=1e-4)
         for name in order:
-            model = torch.nn.parallel.DistributedDataParallel(build_model(spec))
-            opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+            if name in OWN_MODEL:  # a comm hook stays for good: a model of its own
+                model = torch.nn.parallel.DistributedDataParallel(build_model(spec))
+                opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+            else:
+                model, opt = shared, shared_opt
             if name == "torch's allreduce_hook, no rtop":
                 # any Python comm hook in place of DDP's C++ allreduce: what a hook costs
                 model.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -113,7 +126,7 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
                     opt.step()
                     opt.zero_grad()
                 now, now_cpu = time.perf_counter(), time.process_time()
-                if i >= WARMUP:
+                if i >= warmup:
                     block_wall.append(now - prev)
                     block_cpu.append(now_cpu - prev_cpu)
                 prev, prev_cpu = now, now_cpu
@@ -127,6 +140,7 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
             dist.barrier()
             del model, opt, probe, profiler
             gc.collect()
+        del shared, shared_opt
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"wall": wall, "cpu": cpu, "sender_cpu": sender_cpu}, f)
     dist.barrier()
@@ -156,7 +170,7 @@ def _bootstrap_ci(values: list[float], n: int = 4000, seed: int = 0) -> tuple[fl
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
-def job_benchmark(rounds: int, block: int, pin: bool) -> None:
+def job_benchmark(rounds: int, block: int, pin: bool, warmup: int = WARMUP) -> None:
     import json
     import os
     import tempfile
@@ -171,7 +185,7 @@ def job_benchmark(rounds: int, block: int, pin: bool) -> None:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         try:
             mp.start_processes(_bench_rank, nprocs=2, start_method="spawn", args=(
-                2, free_port(), hub.address, dead, hub.token, rounds, block, out, pin))
+                2, free_port(), hub.address, dead, hub.token, rounds, block, out, pin, warmup))
         finally:
             hub_cpu = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
             hub.stop()
@@ -188,7 +202,8 @@ def job_benchmark(rounds: int, block: int, pin: bool) -> None:
                 / statistics.median(blocks(kind, "no rtop", r)) for r in range(rounds)]
 
     print(f"\nwhole job: 2 ranks, gloo DDP on CPU, {rounds} rounds x {len(CONFIGS)} "
-          f"configurations x {block} steps, interleaved in the same processes"
+          f"configurations x {block} steps ({warmup} not counted), interleaved in the same "
+          "processes"
           f"{', each rank pinned to its own core' if pin else ''}")
     print("step time: wall clock per step; ratio = pooled median / pooled median of"
           " 'no rtop'; per round = median over rounds of (this block / the 'no rtop'"
@@ -330,6 +345,27 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
             allreduce_hook(dist.group.WORLD, bucket).wait()  # type: ignore[arg-type]
         return ours / k, (time.thread_time() - t0) / k
 
+    def ddp_timer_read_cost(k: int = 2000) -> float:
+        """Seconds the training thread spends at step exit reading DDP's stamps (the CPU
+        default), on the whole-job benchmark's model after a real backward."""
+        from collectors import ddptimer
+        from rtop.workload import WorkloadSpec, build_model
+
+        spec = WorkloadSpec(world_size=1, batch=256, dim=256, hidden=512, layers=3)
+        model = torch.nn.parallel.DistributedDataParallel(build_model(spec))
+        p = collectors.Probe(detect(), collectors.ProbeConfig(buffer_records=10**6),
+                             start_sender=False)
+        p.watch(model)
+        model(torch.randn(spec.batch, spec.dim)).sum().backward()
+        costs = []
+        for _ in range(9):
+            t0 = time.thread_time()
+            for _ in range(k):
+                ddptimer.read(p)
+            costs.append((time.thread_time() - t0) / k)
+        p.close(0.1)
+        return statistics.median(costs)
+
     def real_step_cost(rounds: int = 80, steps: int = 40) -> dict[str, Any]:
         """Training-thread CPU per step of a real DDP step: the whole-job benchmark's
         model and batch on 1 rank, in shuffled interleaved blocks, each on a fresh model.
@@ -398,13 +434,18 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{free_port()}")
     real = [real_issue_cost(5_000) for _ in range(9)]
+    ddp_read_us = ddp_timer_read_cost() * 1e6
     real_step = real_step_cost()
     dist.destroy_process_group()
     ours_us = statistics.median(r[0] for r in real) * 1e6
     torch_us = statistics.median(r[1] for r in real) * 1e6
     print("\ntraining-thread cost per step (medians)")
     print(f"  probe.iter + probe.step:                         {loop_us:6.2f} us")
-    print("  rtop's comm hook (the GPU default; on CPU with RTOP_COMM_TIMING=hook)")
+    print("  on CPU (the default): DDP's own timer, its stamps read at step exit")
+    print(f"  reading DDP's stamps:                            {ddp_read_us:6.2f} us")
+    print(f"  total, iter + step + that read:                  "
+          f"{loop_us + ddp_read_us:6.2f} us   (target <= 20 us)")
+    print("  on GPU (and on CPU with RTOP_COMM_TIMING=hook): rtop's comm hook")
     print(f"  comm hook, rtop's additions per bucket:          {add_us:6.2f} us")
     print(f"  total, iter + step + {buckets} buckets:                  "
           f"{loop_us + buckets * add_us:6.2f} us   (target <= 20 us)")
@@ -425,6 +466,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--block", type=int, default=60, help="steps per configuration block")
+    ap.add_argument("--warmup", type=int, default=WARMUP,
+                    help="steps at the start of each block that are not counted")
     ap.add_argument("--skip-job", action="store_true")
     ap.add_argument("--skip-micro", action="store_true")
     ap.add_argument("--no-pin", action="store_true",
@@ -433,7 +476,7 @@ def main() -> None:
     if not args.skip_micro:
         thread_cost()
     if not args.skip_job:
-        job_benchmark(args.rounds, args.block, not args.no_pin)
+        job_benchmark(args.rounds, args.block, not args.no_pin, args.warmup)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,17 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collectors.probe import Probe
 
 log = logging.getLogger("collectors")
+
+#: DDP's own sampling of its runtime stats (``kDDPRuntimeLoggingSampleRate`` in torch's
+#: reducer): what a model gets back when the probe that timed it closes.
+DDP_DEFAULT_SAMPLE_RATE = 100
 
 #: What the training thread leaves per step: DDP's stamps (ns on ``time.time_ns``'s
 #: clock) and the wall clock at step exit, to put them on ``time.perf_counter``'s.
@@ -89,15 +94,38 @@ def install(probe: Probe, model: Any) -> str:
 
         register = getattr(first, "register_post_accumulate_grad_hook", None)
         if register is not None:  # torch >= 2.1; without it the phase stays "compute"
-            register(rtop_backward_done)
+            model._rtop_hook_handle = register(rtop_backward_done)
         model._rtop_probe_box = box
     else:
         box[0] = probe
+    probe._ddp_model = weakref.ref(model)
     return (
         f"allreduce timed by DDP's own timer, every step ({world} ranks): from the first "
         "bucket's launch to the last one's completion; no comm hook, the gradients' "
         "path is DDP's own"
     )
+
+
+def release(probe: Probe) -> None:
+    """When the probe closes: leave its model as ``watch`` found it (DDP's own sampling
+    rate, no rtop hook on the parameter), unless a newer probe watches it now."""
+    ref = probe._ddp_model
+    probe._ddp_model = None
+    model = ref() if ref is not None else None
+    if model is None:
+        return
+    try:
+        box = getattr(model, "_rtop_probe_box", None)
+        if box is None or box[0] is not probe:
+            return
+        model._set_ddp_runtime_logging_sample_rate(DDP_DEFAULT_SAMPLE_RATE)
+        handle = getattr(model, "_rtop_hook_handle", None)
+        if handle is not None:
+            handle.remove()
+            del model._rtop_hook_handle
+        del model._rtop_probe_box
+    except Exception as exc:  # never break the job because of rtop (at exit, torch may be gone)
+        log.debug("rtop: could not release the DDP model: %r", exc)
 
 
 def read(probe: Probe) -> DdpStamps | None:

@@ -212,6 +212,7 @@ class Probe:
         self._comm_world = 1
         self._ddp_logger: Any = None  # DDP's logger when its own timer times the allreduce
         self._ddp_iteration: int | None = None
+        self._ddp_model: Any = None  # weak reference to that DDP model, released at close
         self._comm_bytes = 0
         self._cuda: EventPool | None = None
         self._cuda_start: Any = None
@@ -303,12 +304,14 @@ class Probe:
 
         The hub is told why the rank left: ``closed`` (this call, the end of training),
         or ``exit`` (the interpreter exited without it: the script ended or crashed).
+        A DDP model timed by DDP's own timer is given back as ``watch`` found it.
         """
         if self._closed:
             return
         self._closed = True
         self.exit_reason = reason
         self._sender.stop(self.config.close_timeout_s if timeout is None else timeout)
+        ddptimer.release(self)  # the model goes back to DDP's own sampling
 
     def __enter__(self) -> Probe:
         return self

@@ -164,10 +164,22 @@ def ddp_timer_figures(rank: int, world: int, port: int, out: str) -> None:
         raw = probe._records.popleft()
         rows.append(probe._sender._step_row(raw, None))
     grad_bytes = sum(q.numel() * q.element_size() for q in timed.parameters())
+    first = next(timed.parameters())
+    hooked = len(first._post_accumulate_grad_hooks or {})
     probe.close(0.1)
+    # closed, the probe leaves the model as it found it; a new probe can watch it again
+    released = not hasattr(timed, "_rtop_probe_box") and \
+        not (first._post_accumulate_grad_hooks or {})
+    again = _probe("ddp")
+    again.watch(timed)
+    with again.step():
+        _grads(timed, torch.randn(16, 40, generator=torch.Generator().manual_seed(9)))
+    rewatched = again._sender._step_row(again._records.popleft(), None)
+    again.close(0.1)
     with open(os.path.join(out, f"rank{rank}"), "w") as f:
         json.dump({"same": all(same), "hooks": len(timed._comm_hooks), "note": probe.notes[-1],
-                   "grad_bytes": grad_bytes, "rows": rows}, f)
+                   "grad_bytes": grad_bytes, "rows": rows, "phase_hooks": hooked,
+                   "released": released, "rewatched": rewatched}, f)
     del plain, timed
     _teardown()
 

@@ -74,6 +74,12 @@ def test_ddp_timing_mode_times_the_allreduce_without_a_comm_hook(tmp_path):
             assert r["busbw_Bps"] > 0
             body = r["step_s"] - (r["gap_s"] or 0) - (r["data_wait_s"] or 0)
             assert r["compute_s"] == pytest.approx(body - r["comm_exposed_s"], abs=1e-6)
+        # one post-accumulate-grad hook marks the heartbeat's comm phase; closing the
+        # probe removes it, and a later probe times the same model again
+        assert res["phase_hooks"] == 1
+        assert res["released"], "the closed probe left its hook on the model"
+        again = _rows([res["rewatched"]])[0]
+        assert again["comm_s"] > 0 and again["comm_bytes"] == res["grad_bytes"]
 
 
 def test_ddp_timing_mode_times_a_user_hook_registered_before_watch(tmp_path):
