@@ -137,6 +137,16 @@ def test_web_replay_shows_ranks_in_chromium(recording: Path, tmp_path: Path) -> 
                     if "rank" in text and "step ms" in text and STARVED_ROW.search(text):
                         break
                     time.sleep(0.25)
+                # the footer lists the keys once the page has focus (a headless page
+                # never gets it by itself: Textual holds the footer while blurred)
+                page.mouse.click(700, 600)
+                footer = ""
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and "q quit" not in footer:
+                    time.sleep(0.25)
+                    rows = [r for r in (page.evaluate(READ_SCREEN) or "").split("\n")
+                            if r.strip()]
+                    footer = rows[-1] if rows else ""
                 page.screenshot(path=str(tmp_path / "web.png"))
                 sessions = [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
             finally:
@@ -144,6 +154,7 @@ def test_web_replay_shows_ranks_in_chromium(recording: Path, tmp_path: Path) -> 
         shown = f"page text:\n{text}\n(screenshot: {tmp_path / 'web.png'})"
         assert "rank" in text and "step ms" in text, f"no ranks table header; {shown}"
         assert STARVED_ROW.search(text), f"no STARVED row for rank 1; {shown}"
+        assert "q quit" in footer and "details" in footer, f"footer: {footer!r}; {shown}"
         assert sessions, "the page's session runs no rtop process"
     finally:
         server.terminate()
