@@ -56,8 +56,8 @@ class ProbeConfig:
     close_timeout_s: float = 2.0
     #: How a DDP model's allreduce is timed: "ddp" (on CPU, DDP's own C++ timer and no
     #: hook: no extra pass over the gradients; see ``collectors.ddptimer``; models it
-    #: cannot time, CUDA ones first, get the hook) or "hook" (always a comm hook timing
-    #: each bucket, with CUDA events on GPU).
+    #: cannot time, CUDA ones first, get the hook; "auto", its earlier name, means the
+    #: same) or "hook" (always a comm hook timing each bucket, with CUDA events on GPU).
     comm_timing: str = "ddp"
     #: Give up on a GPU step time whose CUDA events have not completed after this long.
     cuda_resolve_timeout_s: float = 30.0

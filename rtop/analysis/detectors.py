@@ -306,13 +306,14 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
     k = ctx.factors("straggler", cfg.straggler_clear)
     excess = comp - others
     with np.errstate(invalid="ignore"):
-        hit = ok & (comp >= others * (1 + (cfg.straggler_ratio - 1) * k)) \
+        slow_at = others * (1 + (cfg.straggler_ratio - 1) * k)
+        hit = ok & (comp >= slow_at) \
             & (excess >= cfg.straggler_min_excess_s * k) \
             & (np.isnan(step) | (excess >= cfg.straggler_min_share * k * step))
         # slow in most of its recent steps, not in a burst that tipped the median: a
         # second of CPU contention slows some rank for ten-odd steps, a straggler stays
         per_step = w.recent_compute
-        slow_step = (per_step >= (others * (1 + (cfg.straggler_ratio - 1) * k))[:, None]) \
+        slow_step = (per_step >= slow_at[:, None]) \
             & (per_step - others[:, None] >= (cfg.straggler_min_excess_s * k)[:, None])
         valid = (~np.isnan(per_step)).sum(axis=1)
         fraction = np.where(valid > 0, slow_step.sum(axis=1) / np.maximum(valid, 1), 0.0)
