@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from collectors import wire
 from collectors.schema import GPU_FIELDS, HEARTBEAT_FIELDS, HOST_FIELDS, MEM_FIELDS, STEP_FIELDS
 from rtop.analysis import AnalysisConfig, Analyzer
-from rtop.hub.state import RunState
+from rtop.run.state import RunState
 
 
 def row(fields: tuple[str, ...], **values: object) -> list[object]:
@@ -80,7 +80,7 @@ def main() -> None:
         found = analyzer.update(st)
         times.append(time.perf_counter() - t)
         t = time.perf_counter()
-        st.snapshot()
+        st.view()
         snaps.append(time.perf_counter() - t)
     print(f"diagnosis of {args.ranks} ranks: median {statistics.median(times) * 1e3:.1f} ms, "
           f"max {max(times) * 1e3:.1f} ms  (target <= 50 ms)")

@@ -26,7 +26,7 @@ short warm-up, it measures:
 Memory for a 10-minute window: the windows are ring buffers preallocated per rank slot,
 so the RSS once every rank is connected is already close to the full-window figure;
 the RSS trend over the window is printed too. The benchmark also builds a
-:class:`rtop.hub.state.RunState` in its own process, registers the ranks through
+:class:`rtop.run.state.RunState` in its own process, registers the ranks through
 ``apply()`` with hello frames and prints ``nbytes()`` (and what one restart of the job,
 a new attempt beside the kept old one, makes of it).
 
@@ -984,7 +984,7 @@ def run_flood_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProc
 
 def in_process_costs(ranks: int) -> dict[str, Any]:
     """RunState alone, in this process: memory, apply() per frame, snapshot() per call."""
-    from rtop.hub.state import RunState
+    from rtop.run.state import RunState
 
     out: dict[str, Any] = {}
     state = RunState(window_steps=1200, window_samples=600)
@@ -1009,7 +1009,7 @@ def in_process_costs(ranks: int) -> dict[str, Any]:
     snaps = []
     for _ in range(5):
         t = time.perf_counter()
-        snap = state.snapshot()
+        snap = state.view()
         snaps.append(time.perf_counter() - t)
     out["snapshot_s"] = median(snaps)
     t = time.perf_counter()

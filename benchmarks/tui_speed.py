@@ -70,15 +70,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from collectors import wire
 from collectors.schema import GPU_FIELDS, HEARTBEAT_FIELDS, HOST_FIELDS, MEM_FIELDS, STEP_FIELDS
-from rtop.analysis import AnalysisConfig, Analyzer
+from rtop.analysis import AnalysisConfig, Monitor
 from rtop.hub.recorder import Recorder
-from rtop.hub.state import RunState
+from rtop.run.snapshot import HubInfo, Snapshot
+from rtop.run.state import RunState
 from rtop.tui.app import RtopApp, make_app
 from rtop.tui.messages import SnapshotReceived, SourceStatus
 from rtop.tui.ranks import RanksView
@@ -199,8 +200,9 @@ class BigJob:
     :meth:`snapshot` advances it by a second and returns what a viewer receives."""
 
     def __init__(self, ranks: int = 1024, history_s: int = 16) -> None:
-        self.state = RunState(window_steps=1200, window_samples=600, lost_after_s=10.0)
-        self.analyzer = Analyzer(AnalysisConfig())
+        self.monitor = Monitor(RunState(window_steps=1200, window_samples=600,
+                                        lost_after_s=10.0), AnalysisConfig())
+        self.state = self.monitor.state
         group = f"{JOB}-g0"
         self.t0 = 1_760_000_000.0
         self.state.run_info = {"hub": {"version": "0.1.0", "address": "10.0.0.1:7077",
@@ -219,22 +221,18 @@ class BigJob:
             self.state.apply(_wire(wire.KIND_BATCH, rk.batch(t)), t)
         self.t += 1.0
         self.state.now = self.t
-        self.state.tick(self.t)
-        self.analyzer.update(self.state, self.t - 0.5)
-        self.analyzer.update(self.state, self.t)
+        self.monitor.advance(self.t - 0.5, force=True)
+        self.monitor.advance(self.t, force=True)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Snapshot:
         """One more second of the job, then the hub's snapshot of it (wire round trip)."""
         self._second()
-        snap = self.state.snapshot()
-        snap["findings"] = self.analyzer.current()
-        snap["analysis_s"] = self.analyzer.last_eval_s
-        snap["overview"] = self.analyzer.overview
-        snap["hub"] = {"address": "10.0.0.1:7077", "record": None,
-                       "counters": {"connections": len(self.ranks), "refused": 0,
-                                    "bad_frames": 0, "floods": 0, "silent": 0,
-                                    "snapshots_skipped": 0, "snapshots_sent": 0}}
-        return _wire(wire.KIND_SNAPSHOT, snap).payload
+        snap = self.monitor.snapshot(hub=HubInfo(
+            address="10.0.0.1:7077", record=None,
+            counters={"connections": len(self.ranks), "refused": 0, "bad_frames": 0,
+                      "floods": 0, "silent": 0, "snapshots_skipped": 0,
+                      "snapshots_sent": 0}))
+        return cast(Snapshot, _wire(wire.KIND_SNAPSHOT, snap).payload)
 
 
 # ---- the frame probe ------------------------------------------------------------------------

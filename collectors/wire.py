@@ -17,7 +17,7 @@ which; the connection that sent it is closed and nothing else is affected.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, Final
 
@@ -86,7 +86,7 @@ class Frame:
     payload: dict[str, Any]
 
 
-def encode(kind: str, payload: dict[str, Any]) -> bytes:
+def encode(kind: str, payload: Mapping[str, Any]) -> bytes:
     """Encode one frame (header and body) ready to be written to a socket or a file.
 
     Raises :class:`FrameTooLarge` if the body would exceed ``MAX_FRAME_BYTES``.

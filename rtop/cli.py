@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rtop import __version__
+from rtop.run.snapshot import Snapshot
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,7 +303,7 @@ def cmd_list() -> int:
     return 0
 
 
-def format_snapshot(snap: dict[str, Any]) -> str:
+def format_snapshot(snap: Snapshot) -> str:
     """A plain-text table of a snapshot's ranks."""
     run, cols = snap["run"], snap["ranks"]
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from collectors import wire
+from rtop.run.snapshot import RankDetail, Snapshot
 
 
 class HubError(RuntimeError):
@@ -54,21 +55,21 @@ class HubClient:
             if frame.kind == wire.KIND_ERROR:
                 raise HubError(str(frame.payload.get("message")))
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Snapshot:
         """The hub's current snapshot."""
         self._sock.sendall(wire.encode(wire.KIND_REQUEST, {"what": "snapshot"}))
-        return self._expect(wire.KIND_SNAPSHOT)
+        return cast(Snapshot, self._expect(wire.KIND_SNAPSHOT))
 
-    def rank(self, rank: int) -> dict[str, Any]:
+    def rank(self, rank: int) -> RankDetail:
         """One rank's full window (histories, stack, events)."""
         self._sock.sendall(wire.encode(wire.KIND_REQUEST, {"what": "rank", "rank": rank}))
-        return self._expect("rank")
+        return cast(RankDetail, self._expect("rank"))
 
-    def subscribe(self, rate_hz: float = 2.0) -> Iterator[dict[str, Any]]:
+    def subscribe(self, rate_hz: float = 2.0) -> Iterator[Snapshot]:
         """Snapshots pushed by the hub at ``rate_hz``."""
         self._sock.sendall(wire.encode(wire.KIND_SUBSCRIBE, {"rate_hz": rate_hz}))
         while True:
-            yield self._expect(wire.KIND_SNAPSHOT)
+            yield cast(Snapshot, self._expect(wire.KIND_SNAPSHOT))
 
     def close(self) -> None:
         """Disconnect."""

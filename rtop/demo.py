@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rtop.hub.service import ThreadedHub
+from rtop.run.snapshot import FindingDict, Snapshot
 from rtop.workload import Faults, WorkloadSpec
 
 #: Healthy steps before the fault starts on rank 1.
@@ -360,14 +361,14 @@ class DemoJob:
 
     # ---- what the hub sees --------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Snapshot:
         """The hub's current snapshot (ranks and live findings)."""
-        snap: dict[str, Any] = self.hub.call(lambda h: h.snapshot())
+        snap: Snapshot = self.hub.call(lambda h: h.snapshot())
         return snap
 
-    def findings(self) -> list[dict[str, Any]]:
+    def findings(self) -> list[FindingDict]:
         """The hub's live findings."""
-        found: list[dict[str, Any]] = self.hub.call(lambda h: list(h._findings))
+        found: list[FindingDict] = self.hub.call(lambda h: list(h.monitor.findings))
         return found
 
 
@@ -412,19 +413,19 @@ def _end_processes(procs: list[Any], grace_s: float = 5.0) -> None:
             return
 
 
-def progress_line(job: DemoJob, snap: dict[str, Any]) -> str:
+def progress_line(job: DemoJob, snap: Snapshot) -> str:
     """One line of where the job stands: ranks, step, step time, live findings."""
     elapsed = time.time() - (job.started_at or time.time())
-    cols = snap.get("ranks") or {}
-    ranks = cols.get("rank") or []
+    cols = snap["ranks"]
+    ranks = cols["rank"]
     if not ranks:
         return f"{elapsed:5.0f} s  starting {job.workers} Ray Train workers…"
-    steps = [s for s in cols.get("step", []) if isinstance(s, int) and s >= 0]
-    step_s = [s for s in cols.get("step_s", []) if isinstance(s, (int, float))]
+    steps = [s for s in cols["step"] if isinstance(s, int) and s >= 0]
+    step_s = [s for s in cols["step_s"] if isinstance(s, (int, float))]
     ms = f"{statistics.median(step_s) * 1e3:.0f} ms/step" if step_s else "-- ms/step"
     found = ", ".join(f"{f['kind']} on rank{'s' if len(f['ranks']) > 1 else ''} "
                       f"{','.join(str(r) for r in f['ranks'])}"
-                      for f in snap.get("findings") or []) or "none"
+                      for f in snap["findings"]) or "none"
     step = str(max(steps)) if steps else "--"
     return (f"{elapsed:5.0f} s  {len(ranks)}/{job.workers} ranks  step {step:>5}  {ms:>12}"
             f"  findings: {found}")

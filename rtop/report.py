@@ -18,9 +18,9 @@ from typing import Any
 
 from collectors import wire
 from collectors.schema import GPU_FIELDS, MEM_FIELDS, STEP_FIELDS
-from rtop.analysis import AnalysisConfig, Analyzer
-from rtop.hub.state import RankState, RunState
-from rtop.recording import ReadResult, replay
+from rtop.analysis import AnalysisConfig, Monitor
+from rtop.run.recording import ReadResult, replay
+from rtop.run.state import RankState, RunState
 
 #: Step fields summarised as medians over the run.
 MEDIAN_STEP_FIELDS = ("step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
@@ -122,9 +122,6 @@ def _rank_entry(rs: RankState, acc: _Acc) -> dict[str, Any]:
     return entry
 
 
-EVAL_EVERY_S = 0.5  # recorded time between two evaluations of the diagnosis
-
-
 def build_report(path: str | Path, thresholds: AnalysisConfig | None = None
                  ) -> dict[str, Any]:
     """The report of a recording as a JSON-able dict (the contract's shape).
@@ -134,23 +131,20 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None
     first, with when it started and whether it was still active at the end.
     """
     accs: dict[int, _Acc] = defaultdict(_Acc)  # by id of RankState
-    analyzer = Analyzer(thresholds or AnalysisConfig.load())
-    next_eval = [0.0]
+    monitor = Monitor(RunState(), thresholds or AnalysisConfig.load())
+    analyzer = monitor.analyzer
+    assert analyzer is not None
 
     def on_frame(t_hub: float, frame: wire.Frame, st: RunState) -> None:
         if frame.kind == wire.KIND_BATCH:
             rs = st.rank_state(frame.payload["rank"], frame.payload.get("group"))
             if rs is not None:
                 accs[id(rs)].add_batch(frame.payload)
-        if t_hub >= next_eval[0]:
-            next_eval[0] = t_hub + EVAL_EVERY_S
-            st.tick(t_hub)
-            analyzer.update(st, t_hub)
+        monitor.advance(t_hub)
 
     res = ReadResult()
-    state, res = replay(path, RunState(), on_frame=on_frame, result=res)
-    state.tick(state.now)
-    analyzer.update(state, state.now)
+    state, res = replay(path, monitor.state, on_frame=on_frame, result=res)
+    monitor.advance(state.now, force=True)
     attempts = []
     for att in state.attempts:
         ranks = [_rank_entry(rs, accs[id(rs)]) for rs in sorted(att.ranks.values(),

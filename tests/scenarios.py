@@ -85,7 +85,7 @@ def run_scenario(tmp: Path, faults: Faults, *, world: int = 2, duration_s: float
             now = time.time()
             if stop.is_set():
                 continue  # we are killing the job: what follows is our doing
-            for f in hub.call(lambda h: list(h._findings)):
+            for f in hub.call(lambda h: list(h.monitor.findings)):
                 key = (f["kind"], tuple(f["ranks"]))
                 out.first_seen.setdefault(key, now)
                 out.findings[f["kind"]] = f

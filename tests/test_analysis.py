@@ -13,7 +13,7 @@ from collectors import wire
 from collectors.schema import GPU_FIELDS, MEM_FIELDS, STEP_FIELDS
 from rtop.analysis import AnalysisConfig, Analyzer, evaluate
 from rtop.analysis.window import take
-from rtop.hub.state import RunState
+from rtop.run.state import RunState
 from tests.rankclient import gpu_row, hb_row, identity
 
 NOW = 1_800_000_000.0

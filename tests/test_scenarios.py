@@ -167,7 +167,7 @@ def test_starved_rank_in_a_ray_train_job(tmp_path):
 
     def watch():
         while not done.is_set():
-            for f in hub.call(lambda h: list(h._findings)):
+            for f in hub.call(lambda h: list(h.monitor.findings)):
                 first_seen.setdefault((f["kind"], tuple(f["ranks"])), time.time())
                 findings[f["kind"]] = f
             time.sleep(0.1)

@@ -248,18 +248,19 @@ def test_column_fitting_keeps_the_essentials():
 
 async def test_a_thousand_ranks_fold_by_node():
     """1,024 ranks over 128 nodes: the table holds them all, folds them per node."""
-    from rtop.hub.state import RunState
+    from rtop.analysis import Monitor
 
-    st = RunState()
+    mon = Monitor(diagnose=False)
     t0 = time.time()
     for r in range(1024):
         ident = identity(r, world=1024, host=f"node-{r // 8:03d}")
-        st.apply(wire.Frame("hello", {"identity": ident, "token": "x"}), t0)
-        st.apply(wire.Frame("batch", {"rank": r, "group": "g0", "steps": [
+        mon.apply(wire.Frame("hello", {"identity": ident, "token": "x"}), t0)
+        mon.apply(wire.Frame("batch", {"rank": r, "group": "g0", "steps": [
             step_row(k, step_s=0.5 if r != 77 else 0.9) for k in range(5)]}), t0 + 1)
-    snap = st.snapshot()
+    snap = mon.snapshot()
     snap["findings"] = [{"kind": "straggler", "ranks": [77], "severity": "warning",
-                         "summary": "Rank 77 computes 0.9 s per step", "evidence": {}}]
+                         "summary": "Rank 77 computes 0.9 s per step", "evidence": {},
+                         "fix": "", "impact": 0.4}]
     app = make_app(StaticSource([snap]))
     async with app.run_test(size=(140, 40)) as pilot:
         await until(pilot, lambda: app.snapshots_seen > 0)

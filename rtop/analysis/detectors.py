@@ -16,8 +16,8 @@ import numpy as np
 from collectors.nvml import THROTTLE_REASONS, decode_reasons
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.window import Window
+from rtop.run.snapshot import FindingDict, Severity
 
-SEVERITY_ORDER = {"critical": 3, "warning": 2, "info": 1}
 LOST_TOGETHER_S = 0.3  # ranks lost this close to the first one are named with it
 MAX_EVIDENCE_RANKS = 8
 
@@ -28,17 +28,17 @@ class Finding:
 
     kind: str
     ranks: list[int]
-    severity: str
+    severity: Severity
     summary: str
     evidence: dict[str, Any]
     fix: str
     impact: float = 0.0  # share of the job's step time this costs, for ordering
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> FindingDict:
         """The finding as the report's JSON and the snapshot carry it."""
-        return {"kind": self.kind, "ranks": self.ranks, "severity": self.severity,
-                "summary": self.summary, "evidence": self.evidence, "fix": self.fix,
-                "impact": round(self.impact, 4)}
+        return FindingDict(kind=self.kind, ranks=self.ranks, severity=self.severity,
+                           summary=self.summary, evidence=self.evidence, fix=self.fix,
+                           impact=round(self.impact, 4))
 
 
 def _f(x: Any) -> float | None:
@@ -536,7 +536,8 @@ def memory_wall(ctx: Context) -> Finding | None:
         summary = (f"{_names(ranks)} {_verb(ranks, 'has', 'have')} {h0 / gb:.3g} GB of "
                    f"{cap[i0] / gb:.3g} GB left at its "
                    f"peak ({h0 / cap[i0]:.0%}): the next larger batch or sequence will not fit.")
-    severity = "critical" if (s0 < 500 or (h0 == h0 and h0 < 0.03 * cap[i0])) else "warning"
+    severity: Severity = "critical" if (s0 < 500 or (h0 == h0 and h0 < 0.03 * cap[i0])) \
+        else "warning"
     return Finding("memory_wall", ranks, severity, summary, evidence,
                    "Data parallelism adds throughput, never capacity: every rank holds the "
                    "whole model. Use activation checkpointing, a smaller per-rank batch "
@@ -583,7 +584,7 @@ def checkpoint_interval(ctx: Context) -> Finding | None:
                f"{'too often' if often else 'too rarely'} for {n} GPUs (job MTBF "
                f"{mtbf / 3600:.0f} h); every {_dur(opt)} would cost {waste_opt:.1%} of the "
                f"run instead of {waste_now:.1%}.")
-    severity = "warning" if waste_now > 2 * waste_opt and waste_now > 0.05 else "info"
+    severity: Severity = "warning" if waste_now > 2 * waste_opt and waste_now > 0.05 else "info"
     return Finding("checkpoint_interval", [int(r) for r in w.rank], severity, summary, ev,
                    f"Checkpoint about every {_dur(opt)} (Young/Daly: sqrt(2 x checkpoint "
                    "cost x job MTBF)); cheaper checkpoints (asynchronous, sharded) make "

@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar, cast
 
 from rtop.analysis import detectors as d
 from rtop.analysis.config import AnalysisConfig
+from rtop.analysis.kinds import SEVERITY_ORDER
 from rtop.analysis.window import take
-from rtop.hub.state import RunState
-
-#: Kinds that blame particular ranks (as opposed to the job as a whole).
-RANK_FAULTS = ("starved_rank", "straggler", "hung_rank", "lost_rank", "gpu_throttled",
-               "memory_wall")
-ALL_KINDS = ("starved_rank", "input_bound", "straggler", "slow_link",
-             "low_scaling_efficiency", "memory_wall", "gpu_throttled", "hung_rank",
-             "lost_rank", "checkpoint_interval")
+from rtop.run.snapshot import EpisodeDict, FindingDict, Overview, Scaling, Severity
+from rtop.run.state import RunState
 
 
 def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] | None = None,
-             now: float | None = None, overview: dict[str, Any] | None = None
+             now: float | None = None, overview: Overview | None = None
              ) -> list[d.Finding]:
     """Every finding whose condition holds now (no onset/clear).
 
@@ -42,9 +37,10 @@ def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] |
     if overview is not None:
         cls = d.fabric_class(w, cfg)
         scaling = d.low_scaling_efficiency(ctx, always=True)
-        overview.update({"fabric": cls, "expected_busbw_Bps": cfg.fabric_busbw.get(cls),
-                         "nodes": len(w.node),
-                         "scaling": scaling.evidence if scaling is not None else None})
+        overview["fabric"] = cls
+        overview["expected_busbw_Bps"] = cfg.fabric_busbw.get(cls)
+        overview["nodes"] = len(w.node)
+        overview["scaling"] = cast(Scaling, scaling.evidence) if scaling is not None else None
     out: list[d.Finding] = []
     for fn in (d.lost_rank, d.hung_rank):  # these exclude ranks from the comparisons
         f = fn(ctx)
@@ -71,9 +67,12 @@ def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] |
     return out
 
 
-def order(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+F = TypeVar("F", FindingDict, EpisodeDict)
+
+
+def order(findings: list[F]) -> list[F]:
     """Worst first: by severity, then by how much of the step time it costs."""
-    return sorted(findings, key=lambda f: (-d.SEVERITY_ORDER.get(f["severity"], 0),
+    return sorted(findings, key=lambda f: (-SEVERITY_ORDER.get(f["severity"], 0),
                                            -float(f.get("impact") or 0.0), f["kind"]))
 
 
@@ -84,19 +83,20 @@ class Episode:
     kind: str
     since: float
     last: float
-    finding: dict[str, Any]
+    finding: FindingDict
     ranks: set[int] = field(default_factory=set)
-    worst: str = "info"
+    worst: Severity = "info"
     ended: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> EpisodeDict:
         """The episode as the report lists it."""
-        out = dict(self.finding)
-        out.update({"ranks": sorted(self.ranks), "severity": self.worst,
-                    "since": self.since, "until": self.ended if self.ended else self.last,
-                    "duration_s": round((self.ended or self.last) - self.since, 3),
-                    "active": self.ended is None})
-        return out
+        f = self.finding
+        return EpisodeDict(
+            kind=f["kind"], ranks=sorted(self.ranks), severity=self.worst,
+            summary=f["summary"], evidence=f["evidence"], fix=f["fix"], impact=f["impact"],
+            since=self.since, until=self.ended if self.ended else self.last,
+            duration_s=round((self.ended or self.last) - self.since, 3),
+            active=self.ended is None)
 
 
 class Analyzer:
@@ -108,15 +108,15 @@ class Analyzer:
         self.active: dict[str, Episode] = {}
         self.episodes: list[Episode] = []
         self.last_eval_s = 0.0
-        self.onsets: list[tuple[float, dict[str, Any]]] = []  # (time, finding), newest last
+        self.onsets: list[tuple[float, EpisodeDict]] = []  # (time, finding), newest last
         #: fabric and scaling figures of the last evaluation (see :func:`evaluate`)
-        self.overview: dict[str, Any] = {}
+        self.overview: Overview = {}
 
-    def update(self, state: RunState, now: float | None = None) -> list[dict[str, Any]]:
+    def update(self, state: RunState, now: float | None = None) -> list[FindingDict]:
         """Evaluate once; return the active findings, worst first."""
         t = state.now if now is None else now
         t0 = time.perf_counter()
-        overview: dict[str, Any] = {}
+        overview: Overview = {}
         found = evaluate(state, self.cfg, {k: ep.ranks for k, ep in self.active.items()}, t,
                          overview)
         self.overview = overview
@@ -130,7 +130,7 @@ class Analyzer:
             if ep is not None:
                 ep.last, ep.finding = t, f.to_dict()
                 ep.ranks = set(f.ranks)
-                if d.SEVERITY_ORDER[f.severity] > d.SEVERITY_ORDER[ep.worst]:
+                if SEVERITY_ORDER[f.severity] > SEVERITY_ORDER[ep.worst]:
                     ep.worst = f.severity
             elif count + 1 >= self.cfg.onset_evals:
                 ep = Episode(f.kind, first, t, f.to_dict(), set(f.ranks), f.severity)
@@ -146,10 +146,10 @@ class Analyzer:
                 del self.active[kind]
         return self.current()
 
-    def current(self) -> list[dict[str, Any]]:
+    def current(self) -> list[FindingDict]:
         """The active findings, worst first."""
-        return order([ep.to_dict() for ep in self.active.values()])
+        return order([cast(FindingDict, ep.to_dict()) for ep in self.active.values()])
 
-    def all_episodes(self) -> list[dict[str, Any]]:
+    def all_episodes(self) -> list[EpisodeDict]:
         """Every finding that ever started, worst first (active ones before ended)."""
         return order([ep.to_dict() for ep in self.episodes])

@@ -1,6 +1,6 @@
 """The analysis' view of the run: one array per figure, one entry per rank.
 
-:func:`take` reads a :class:`~rtop.hub.state.RunState` once and returns a
+:func:`take` reads a :class:`~rtop.run.state.RunState` once and returns a
 :class:`Window` of plain numpy arrays, so the detectors are pure functions of numbers
 and cost little even at thousands of ranks.
 """
@@ -14,8 +14,8 @@ import numpy as np
 
 from collectors.schema import GPU_FIELDS, MEM_FIELDS
 from rtop.analysis.config import AnalysisConfig
-from rtop.hub.ring import nanmedian_rows
-from rtop.hub.state import LATEST, RankState, RunState
+from rtop.run.ring import nanmedian_rows
+from rtop.run.state import LATEST, RankState, RunState
 
 _LATEST = {f: i for i, f in enumerate(LATEST)}
 MIN_TREND_SAMPLES = 10  # about ten seconds of memory samples before judging a trend

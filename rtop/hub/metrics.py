@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
+
+from rtop.run.snapshot import Snapshot
 
 #: (metric name, snapshot column, help) — one gauge per rank.
 GAUGES = (
@@ -26,13 +28,14 @@ def _label(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
 
 
-def prometheus_text(snap: dict[str, Any]) -> str:
+def prometheus_text(snap: Snapshot) -> str:
     """Prometheus text format (0.0.4) for the ranks of a snapshot."""
-    cols = snap.get("ranks", {})
-    ranks = cols.get("rank", [])
+    cols = snap["ranks"]
+    by_name = cast(dict[str, list[Any]], cols)  # the gauges name their columns
+    ranks = cols["rank"]
     out: list[str] = []
     for name, col, text in GAUGES:
-        values = cols.get(col)
+        values = by_name.get(col)
         if values is None:
             continue
         out.append(f"# HELP {name} {text}")

@@ -36,15 +36,14 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from collectors import wire
 from rtop import __version__
+from rtop.analysis.monitor import Evaluation, Monitor
 from rtop.hub.recorder import Recorder, default_record_path
-from rtop.hub.state import ProtocolError, RankState, RunState
-
-if TYPE_CHECKING:
-    from rtop.analysis import Analyzer
+from rtop.run.snapshot import HubInfo, RankDetail, Snapshot
+from rtop.run.state import ProtocolError, RankState, RunState
 
 log = logging.getLogger("rtop.hub")
 
@@ -188,19 +187,18 @@ class _Conn(asyncio.Protocol):
 class Hub:
     """One job's hub. ``await hub.start()``, then ``hub.address`` and ``hub.token``."""
 
-    def __init__(self, config: HubConfig | None = None, state: RunState | None = None,
-                 analyzer: Analyzer | None = None) -> None:
+    def __init__(self, config: HubConfig | None = None, monitor: Monitor | None = None
+                 ) -> None:
         self.cfg = config or HubConfig()
         if not is_loopback(self.cfg.host) and self.cfg.token == "":
             raise ValueError("refusing to listen beyond loopback without a token")
         self.token = self.cfg.token if self.cfg.token else secrets.token_urlsafe(24)
         self._token = self.token.encode()
-        self.state = state or RunState(window_steps=self.cfg.window_steps,
-                                       window_samples=self.cfg.window_samples,
-                                       lost_after_s=self.cfg.lost_after_s)
-        self.analyzer = analyzer
-        self._findings: list[dict[str, Any]] = []
-        self._next_analysis = 0.0
+        #: the run's state and diagnosis (without one given: the state alone, no findings)
+        self.monitor = monitor if monitor is not None else Monitor(
+            RunState(window_steps=self.cfg.window_steps,
+                     window_samples=self.cfg.window_samples,
+                     lost_after_s=self.cfg.lost_after_s), diagnose=False)
         self.recorder: Recorder | None = None
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
@@ -313,36 +311,35 @@ class Hub:
                 conn.close()
             elif conn.role == "rank" and mono >= conn.next_ping:
                 self._ping(conn, now)
-        lost = self.state.tick(now)
-        if self.analyzer is not None and mono >= self._next_analysis:
-            self._next_analysis = mono + 0.5
-            self._analyse(now)
-        if lost:
-            names = ", ".join(str(rs.rank) for rs in lost[:10])
-            more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
-            log.warning("rtop hub: rank%s %s%s silent for over %.0f s: marked lost",
-                        "s" if len(lost) > 1 else "", names, more, self.state.lost_after_s)
+        evaluation = self.monitor.advance(now)
+        if evaluation is not None:
+            self._report(evaluation)
         if self.recorder is not None:
             self.recorder.clock(now)
         if cfg.linger_s is not None:
             self._check_linger(mono, cfg.linger_s)
 
-    def _analyse(self, now: float) -> None:
-        """Run the diagnosis; log and record the findings that start or end."""
-        assert self.analyzer is not None
-        before = {k: ep.since for k, ep in self.analyzer.active.items()}
-        self._findings = self.analyzer.update(self.state, now)
-        after = self.analyzer.active
-        for f in self._findings:
-            if f["kind"] not in before:
-                log.warning("rtop: %s %s: %s", f["severity"], f["kind"], f["summary"])
-                if self.recorder is not None:
-                    self.recorder.frame("finding", {"event": "onset", **f}, now)
-        for kind in before:
-            if kind not in after:
-                log.info("rtop: %s cleared", kind)
-                if self.recorder is not None:
-                    self.recorder.frame("finding", {"event": "clear", "kind": kind}, now)
+    @property
+    def state(self) -> RunState:
+        """The run's state (the monitor's)."""
+        return self.monitor.state
+
+    def _report(self, ev: Evaluation) -> None:
+        """Log ranks newly lost, and log and record the findings that start or end."""
+        if ev.lost:
+            names = ", ".join(str(rs.rank) for rs in ev.lost[:10])
+            more = f" and {len(ev.lost) - 10} more" if len(ev.lost) > 10 else ""
+            log.warning("rtop hub: rank%s %s%s silent for over %.0f s: marked lost",
+                        "s" if len(ev.lost) > 1 else "", names, more,
+                        self.state.lost_after_s)
+        for f in ev.started:
+            log.warning("rtop: %s %s: %s", f["severity"], f["kind"], f["summary"])
+            if self.recorder is not None:
+                self.recorder.frame("finding", {"event": "onset", **f}, ev.t)
+        for kind in ev.cleared:
+            log.info("rtop: %s cleared", kind)
+            if self.recorder is not None:
+                self.recorder.frame("finding", {"event": "clear", "kind": kind}, ev.t)
 
     def _check_linger(self, mono: float, linger: float) -> None:
         viewers = any(c.role == "viewer" for c in self._conns)
@@ -390,7 +387,7 @@ class Hub:
                 self._pong(conn, conn.rank, frame.payload, now)
             return
         try:
-            rs = self.state.apply(frame, now)
+            rs = self.monitor.apply(frame, now)
         except ProtocolError as exc:
             self._bad(conn, exc)
             return
@@ -464,15 +461,11 @@ class Hub:
 
     # ---- viewers -----------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
-        """The current snapshot, with findings when an analyzer is attached."""
-        snap = self.state.snapshot()
-        snap["findings"] = self._findings
-        snap["analysis_s"] = self.analyzer.last_eval_s if self.analyzer else None
-        snap["overview"] = self.analyzer.overview if self.analyzer else {}
-        snap["hub"] = {"address": self.address, "counters": dict(self.counters),
-                       "record": str(self.recorder.path) if self.recorder else None}
-        return snap
+    def snapshot(self) -> Snapshot:
+        """The current snapshot, with findings when the monitor diagnoses."""
+        return self.monitor.snapshot(hub=HubInfo(
+            address=self.address, counters=dict(self.counters),
+            record=str(self.recorder.path) if self.recorder else None))
 
     def _snapshot_frame(self) -> bytes:
         now = time.monotonic()
@@ -495,9 +488,9 @@ class Hub:
             else:
                 self._offer(conn, self._snapshot_frame())
 
-    def rank_detail(self, rank: int) -> dict[str, Any]:
+    def rank_detail(self, rank: int) -> RankDetail:
         """One rank's full window: step and sample histories, stack, events, meta."""
-        return self.state.rank_detail(rank)
+        return self.monitor.rank_detail(rank)
 
     def _offer(self, conn: _Conn, data: bytes) -> None:
         t = conn.transport

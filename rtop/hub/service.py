@@ -11,24 +11,31 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from rtop.analysis import AnalysisConfig, Monitor
 from rtop.hub.server import Hub, HubConfig
+from rtop.run.state import RunState
 
 log = logging.getLogger("rtop.hub")
 
 
-def default_analyzer(thresholds: str | None = None) -> Any:
-    """The diagnosis, with thresholds from ``RTOP_THRESHOLDS`` and an optional file."""
-    from rtop.analysis import AnalysisConfig, Analyzer
-
-    return Analyzer(AnalysisConfig.load(thresholds))
+def hub_monitor(cfg: HubConfig, thresholds: AnalysisConfig | str | Path | None = None
+                ) -> Monitor:
+    """The run state a hub keeps (its windows sized by ``cfg``) and its diagnosis, with
+    thresholds given, or from ``RTOP_THRESHOLDS`` and an optional JSON file."""
+    config = thresholds if isinstance(thresholds, AnalysisConfig) else \
+        AnalysisConfig.load(thresholds)
+    state = RunState(window_steps=cfg.window_steps, window_samples=cfg.window_samples,
+                     lost_after_s=cfg.lost_after_s)
+    return Monitor(state, config)
 
 
 async def serve(cfg: HubConfig, ready: Callable[[Hub], None] | None = None,
                 thresholds: str | None = None) -> None:
     """Run a hub until it is closed, a signal arrives, or it has lingered long enough."""
-    hub = Hub(cfg, analyzer=default_analyzer(thresholds))
+    hub = Hub(cfg, hub_monitor(cfg, thresholds))
     await hub.start()
     if ready is not None:
         ready(hub)
@@ -116,11 +123,7 @@ class ThreadedHub:
         self._loop = loop
 
         async def main() -> None:
-            from rtop.analysis import AnalysisConfig, Analyzer
-
-            th = self.thresholds
-            analyzer = Analyzer(th) if isinstance(th, AnalysisConfig) else default_analyzer(th)
-            self.hub = Hub(self.cfg, analyzer=analyzer)
+            self.hub = Hub(self.cfg, hub_monitor(self.cfg, self.thresholds))
             try:
                 await self.hub.start()
             finally:

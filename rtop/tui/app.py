@@ -18,6 +18,7 @@ from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 from textual.widgets import Footer, Input, Static
 
+from rtop.run.snapshot import FindingDict, Scaling, Snapshot
 from rtop.tui.detail import RankScreen
 from rtop.tui.findings import FindingDetail, FindingsList, evidence_text
 from rtop.tui.header import JobHeader
@@ -83,7 +84,7 @@ class RtopApp(App[int]):
     def __init__(self, source: Source, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.source = source
-        self.snapshot: dict[str, Any] | None = None
+        self.snapshot: Snapshot | None = None
         self.sort_key, self.reverse = "worst", False
         self.grouped = False
         self.fold_all = False
@@ -91,7 +92,7 @@ class RtopApp(App[int]):
         self.filter_text = ""
         self.highlight: set[int] = set()
         self.snapshots_seen = 0
-        self.last_scaling: dict[str, Any] | None = None
+        self.last_scaling: Scaling | None = None
         self._stop = threading.Event()
 
     #: actions on the overview's table: off (and out of the footer) on other screens
@@ -180,7 +181,7 @@ class RtopApp(App[int]):
         if message.error:
             self.notify(message.text, severity="error", timeout=4)
 
-    def _show_findings(self, findings: list[dict[str, Any]]) -> None:
+    def _show_findings(self, findings: list[FindingDict]) -> None:
         lst = self.query_one(FindingsList)
         ok = self.query_one("#ok", Static)
         lst.show(findings)

@@ -13,6 +13,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Sparkline, Static
 
+from rtop.run.snapshot import RankDetail
 from rtop.tui.model import (
     fmt_bytes,
     fmt_ms,
@@ -141,7 +142,7 @@ class RankScreen(Screen[None]):
         self.snapshot = snap
         self.ranks = list((snap.get("ranks") or {}).get("rank") or self.ranks)
 
-    def show_detail(self, d: dict[str, Any]) -> None:
+    def show_detail(self, d: RankDetail) -> None:
         """Redraw from the rank's detail."""
         if d.get("rank") != self.rank:
             return

@@ -7,6 +7,7 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import Static
 
+from rtop.run.snapshot import Snapshot
 from rtop.tui.model import fmt_duration, fmt_pct, job_figures
 
 
@@ -22,7 +23,7 @@ class JobHeader(Static):
         self.source_text = ""
         self.source_error = False
 
-    def show(self, snap: dict[str, Any] | None) -> None:
+    def show(self, snap: Snapshot | None) -> None:
         """Redraw from a snapshot (None: nothing received yet)."""
         line1 = Text(no_wrap=True, overflow="ellipsis")
         line1.append("rtop ", "bold")

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from textual.message import Message
+
+from rtop.run.snapshot import RankDetail, Snapshot
 
 
 class SnapshotReceived(Message):
     """A new snapshot of the run. Only the newest one waits in the queue."""
 
-    def __init__(self, snapshot: dict[str, Any]) -> None:
+    def __init__(self, snapshot: Snapshot) -> None:
         super().__init__()
         self.snapshot = snapshot
 
@@ -22,7 +22,7 @@ class SnapshotReceived(Message):
 class DetailReceived(Message):
     """One rank's full window (the rank detail screen's data)."""
 
-    def __init__(self, detail: dict[str, Any]) -> None:
+    def __init__(self, detail: RankDetail) -> None:
         super().__init__()
         self.detail = detail
 

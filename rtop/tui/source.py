@@ -19,9 +19,10 @@ from typing import Any
 import msgpack
 
 from collectors import wire
-from rtop.analysis import AnalysisConfig, Analyzer
-from rtop.hub.state import ProtocolError, RunState
-from rtop.recording import ReadResult, read
+from rtop.analysis import AnalysisConfig, Monitor
+from rtop.run.recording import ReadResult, read
+from rtop.run.snapshot import HubInfo, RankDetail, ReplayInfo, Snapshot
+from rtop.run.state import ProtocolError, RunState
 from rtop.tui.messages import DetailReceived, SnapshotReceived, SourceStatus
 
 Post = Callable[[Any], Any]
@@ -87,8 +88,8 @@ class StaticSource(Source):
 
     live = False
 
-    def __init__(self, snapshots: list[dict[str, Any]],
-                 details: dict[int, dict[str, Any]] | None = None, title: str = "fixture",
+    def __init__(self, snapshots: list[Snapshot],
+                 details: dict[int, RankDetail] | None = None, title: str = "fixture",
                  interval_s: float = 0.5) -> None:
         super().__init__()
         self.snapshots, self.details = snapshots, details or {}
@@ -152,7 +153,6 @@ class ReplaySource(Source):
 
     live = False
     TICK_S = 0.25
-    ANALYSIS_EVERY_S = 0.5
     #: seeking: frames older than this before the target skip the rolling windows
     #: (they would be pushed out by newer ones; 1,200 steps at 2 steps/s is 600 s)
     HISTORY_S = 900.0
@@ -191,25 +191,24 @@ class ReplaySource(Source):
         self.wake.set()
 
     def snapshot_at(self, seconds: float, ranks: list[int] | tuple[int, ...] = ()
-                    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+                    ) -> tuple[Snapshot, dict[int, RankDetail]]:
         """The snapshot (and these ranks' details) ``seconds`` into the recording,
         computed synchronously: for screenshots, fixtures and tests."""
         self._open()
         self._advance(until=(self._t0 or 0.0) + seconds)
         self.paused = True
-        return self._snapshot(), {r: self.state.rank_detail(r) for r in ranks}
+        return self._snapshot(), {r: self.monitor.rank_detail(r) for r in ranks}
 
     # ---- the player --------------------------------------------------------------------
 
     def _open(self) -> None:
-        self.state = RunState(lost_after_s=10.0)
-        self.analyzer = Analyzer(self.thresholds)
+        self.monitor = Monitor(RunState(lost_after_s=10.0), self.thresholds)
+        self.state = self.monitor.state
         self.result = ReadResult()
         self._frames: Iterator[tuple[float, wire.Frame]] = read(self.path, self.result)
         self._next: tuple[float, wire.Frame] | None = None
         self._t0: float | None = self.start
         self._now = self.start or 0.0
-        self._next_eval = 0.0
         self.finished = False
 
     def _peek(self) -> tuple[float, wire.Frame] | None:
@@ -238,17 +237,13 @@ class ReplaySource(Source):
                 break
             self._next = None
             try:
-                self.state.apply(frame, t, history=t >= full_from)
+                self.monitor.apply(frame, t, history=t >= full_from)
             except ProtocolError:
                 self.state.bad_frames += 1
             self._now = max(self._now, t)
             if frame.kind == "clock":
                 self.state.now = t
-                if t >= self._next_eval:
-                    self._next_eval = t + self.ANALYSIS_EVERY_S
-                    self.state.tick(t)
-                    if t >= analyse_from:
-                        self.analyzer.update(self.state, t)
+                self.monitor.advance(t, diagnose=t >= analyse_from)
         if until is not None and not self.finished:
             self._now = until
             self.state.now = until
@@ -257,17 +252,12 @@ class ReplaySource(Source):
         steps = [r.last_step for r in self.state.active_ranks() if r.last_step is not None]
         return max(steps) if steps else -1
 
-    def _snapshot(self) -> dict[str, Any]:
-        snap = self.state.snapshot()
-        snap["findings"] = self.analyzer.current()
-        snap["overview"] = self.analyzer.overview
-        snap["analysis_s"] = self.analyzer.last_eval_s
-        snap["hub"] = {"address": None, "counters": {}, "record": str(self.path)}
-        t0 = self._t0 or 0.0
-        snap["replay"] = {"position_s": self._now - t0, "duration_s": self.duration,
-                          "speed": self.speed, "paused": self.paused,
-                          "finished": self.finished, "warnings": self.result.warnings[:3]}
-        return snap
+    def _snapshot(self) -> Snapshot:
+        return self.monitor.snapshot(
+            hub=HubInfo(address=None, counters={}, record=str(self.path)),
+            replay=ReplayInfo(position_s=self._now - (self._t0 or 0.0),
+                              duration_s=self.duration, speed=self.speed, paused=self.paused,
+                              finished=self.finished, warnings=self.result.warnings[:3]))
 
     def run(self, post: Post, stop: threading.Event) -> None:
         """Play until ``stop``: a snapshot every tick, the followed rank's detail too."""
@@ -291,7 +281,7 @@ class ReplaySource(Source):
             post(SnapshotReceived(self._snapshot()))
             rank = self.detail_rank
             if rank is not None:
-                post(DetailReceived(self.state.rank_detail(rank)))
+                post(DetailReceived(self.monitor.rank_detail(rank)))
             self.wake.clear()
             # paused or at the end, nothing moves: a snapshot a second (any key wakes us)
             tick = self.TICK_S if not (self.paused or self.finished) else 1.0

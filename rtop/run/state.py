@@ -14,14 +14,15 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import numpy as np
 
 from collectors import wire
 from collectors.identity import Identity
 from collectors.schema import GPU_FIELDS, HEARTBEAT_FIELDS, HOST_FIELDS, MEM_FIELDS, STEP_FIELDS
-from rtop.hub.ring import Rings, nanmedian_rows
+from rtop.run.ring import Rings, nanmedian_rows
+from rtop.run.snapshot import NodeColumns, RankColumns, RankDetail, RunInfo, Status
 
 #: Step fields kept per rank in the rolling window.
 STEP_HISTORY = ("step", "t_wall", "step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
@@ -53,6 +54,16 @@ WARMUP_STEPS = 20
 WARMUP_S = 30.0
 
 
+class RunView(TypedDict):
+    """The run state's part of a snapshot (see :meth:`RunState.view`)."""
+
+    t_hub: float
+    run: RunInfo
+    ranks: RankColumns
+    nodes: NodeColumns
+    build_s: float
+
+
 class ProtocolError(ValueError):
     """A frame is well-formed msgpack but not what the protocol says it should hold."""
 
@@ -78,7 +89,7 @@ class RankState:
     #: active | finished (closed the probe) | exited (interpreter exit without close) |
     #: failed (an uncaught exception) | lost (silent or gone without a word) | ended (a
     #: later attempt replaced it)
-    status: str = "active"
+    status: Status = "active"
     first_seen: float = 0.0
     last_seen: float = 0.0
     connected: bool = True
@@ -463,11 +474,13 @@ class RunState:
             latest[gone] = np.nan
         return med, latest
 
-    def snapshot(self, recent: int | None = None) -> dict[str, Any]:
-        """A columnar summary of the current attempt (msgpack-able, viewer-ready).
+    def view(self, recent: int | None = None) -> RunView:
+        """The current attempt as columns (msgpack-able, viewer-ready): the run, one
+        column per figure over its ranks, and its nodes folded to their worst rank.
 
         Step figures are medians over each rank's last ``recent`` steps; samples are
-        the latest. Missing values are None.
+        the latest. Missing values are None. What a viewer gets adds the diagnosis to
+        this (``rtop.analysis.monitor.Monitor.snapshot``).
         """
         t0 = time.perf_counter()
         k = recent or self.recent_steps
@@ -491,29 +504,27 @@ class RunState:
         for j, f in enumerate(LATEST):
             cols[f] = column(latest[:, j])
         att = self.current
-        snap = {
-            "t_hub": now,
-            "run": {
-                "job": att.job if att else "",
-                "name": str(self.run_info.get("job") or ""),  # the hub's name for the job
-                "attempt": att.number if att else None,
-                "attempts": len(self.attempts),
-                "world_size": att.world_size if att else 0,
-                "ranks_seen": len(ranks),
-                "uptime_s": (now - self.started) if self.started else 0.0,
-                "frames": self.frames,
-                "step_records": self.step_records,
-                "bad_frames": self.bad_frames,
-                **{k: v for k, v in self.run_info.items() if k in ("hub", "record")},
-            },
-            "ranks": cols,
-            # per node: the worst rank's figure (slowest step, longest wait, lowest busbw)
-            "nodes": self._nodes(ranks, med),
-        }
-        snap["build_s"] = time.perf_counter() - t0
-        return snap
+        run = RunInfo(
+            job=att.job if att else "",
+            name=str(self.run_info.get("job") or ""),  # the hub's name for the job
+            attempt=att.number if att else None,
+            attempts=len(self.attempts),
+            world_size=att.world_size if att else 0,
+            ranks_seen=len(ranks),
+            uptime_s=(now - self.started) if self.started else 0.0,
+            frames=self.frames,
+            step_records=self.step_records,
+            bad_frames=self.bad_frames,
+        )
+        if isinstance(self.run_info.get("hub"), dict):
+            run["hub"] = self.run_info["hub"]
+        if isinstance(self.run_info.get("record"), str):
+            run["record"] = self.run_info["record"]
+        return RunView(t_hub=now, run=run, ranks=cast(RankColumns, cols),
+                       # per node: the worst rank's figure (slowest step, longest wait, ...)
+                       nodes=self._nodes(ranks, med), build_s=time.perf_counter() - t0)
 
-    def _nodes(self, ranks: list[RankState], med: np.ndarray) -> dict[str, list[Any]]:
+    def _nodes(self, ranks: list[RankState], med: np.ndarray) -> NodeColumns:
         names: dict[str, int] = {}
         node_of = np.array([names.setdefault(r.node, len(names)) for r in ranks],
                            dtype=np.int64)
@@ -529,15 +540,15 @@ class RunState:
             if n:
                 worst.at(agg, node_of, med[:, self.steps.index[f]])
             out[f] = column(agg)
-        return out
+        return cast(NodeColumns, out)
 
-    def rank_detail(self, rank: int) -> dict[str, Any]:
+    def rank_detail(self, rank: int) -> RankDetail:
         """One rank of the current attempt in full: step and sample histories, stack,
         events, identity and static memory figures (``found`` is False if unknown)."""
         rs = self.rank_state(rank)
         if rs is None:
             return {"rank": rank, "found": False}
-        detail: dict[str, Any] = {
+        detail: RankDetail = {
             "rank": rank, "found": True, "identity": rs.identity.to_wire(),
             "status": rs.status, "meta": rs.meta, "stack": rs.stack,
             "events": list(rs.events), "offset_s": rs.offset_s, "gpu": rs.gpu,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from collectors import wire
-from rtop.hub.state import ProtocolError, RunState
+from rtop.run.state import ProtocolError, RunState
 
 log = logging.getLogger("rtop")
 

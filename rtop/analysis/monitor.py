@@ -1,0 +1,107 @@
+"""One run watched: its state, its diagnosis on one cadence, and the snapshot viewers get.
+
+The live hub, a replay and ``rtop report`` all watch a run the same way: every frame
+goes into the :class:`~rtop.run.state.RunState`, and every half second of the hub's
+time the silent ranks are marked lost and the diagnosis runs once. A :class:`Monitor`
+is that, written once; the three differ only in where frames and time come from (a
+socket and the wall clock, or a recording and its ``clock`` frames).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Final
+
+from collectors import wire
+from rtop.analysis.config import AnalysisConfig
+from rtop.analysis.engine import Analyzer
+from rtop.run.snapshot import FindingDict, HubInfo, Overview, RankDetail, ReplayInfo, Snapshot
+from rtop.run.state import RankState, RunState
+
+#: Seconds of the hub's time between two evaluations of the diagnosis.
+EVAL_EVERY_S: Final = 0.5
+
+
+@dataclass
+class Evaluation:
+    """What one evaluation changed: ranks newly lost, findings started and ended."""
+
+    t: float
+    lost: list[RankState] = field(default_factory=list)
+    started: list[FindingDict] = field(default_factory=list)
+    cleared: list[str] = field(default_factory=list)
+
+
+class Monitor:
+    """A run's state and its diagnosis (see the module doc).
+
+    ``config`` sets the diagnosis' thresholds; ``diagnose=False`` keeps the state only
+    (a hub that shows figures without findings). ``state`` may be given to choose its
+    window sizes.
+    """
+
+    def __init__(self, state: RunState | None = None, config: AnalysisConfig | None = None,
+                 *, diagnose: bool = True) -> None:
+        self.state = state if state is not None else RunState()
+        self.analyzer = Analyzer(config) if diagnose else None
+        self._next_eval = -math.inf
+        self._findings: list[FindingDict] = []
+
+    # ---- frames and time ----------------------------------------------------------------
+
+    def apply(self, frame: wire.Frame, t_hub: float, history: bool = True) -> RankState | None:
+        """One frame, received (or recorded) at hub time ``t_hub``; raises
+        :class:`~rtop.run.state.ProtocolError` for a frame that breaks the protocol."""
+        return self.state.apply(frame, t_hub, history)
+
+    def advance(self, t: float, *, force: bool = False, diagnose: bool = True
+                ) -> Evaluation | None:
+        """Time has come to ``t``: when an evaluation is due (every
+        :data:`EVAL_EVERY_S`, or ``force``), mark silent ranks lost and run the
+        diagnosis (unless ``diagnose`` is False); returns what changed, or None when
+        nothing was due.
+        """
+        if not force and self._next_eval - EVAL_EVERY_S <= t < self._next_eval:
+            return None  # not due yet (a clock that went backwards is due at once)
+        self._next_eval = t + EVAL_EVERY_S
+        out = Evaluation(t, lost=self.state.tick(t))
+        if self.analyzer is None or not diagnose:
+            return out
+        before = set(self.analyzer.active)
+        self._findings = self.analyzer.update(self.state, t)
+        out.started = [f for f in self._findings if f["kind"] not in before]
+        out.cleared = [kind for kind in before if kind not in self.analyzer.active]
+        return out
+
+    # ---- what viewers see ---------------------------------------------------------------
+
+    @property
+    def findings(self) -> list[FindingDict]:
+        """The active findings, worst first, as of the last evaluation."""
+        return self._findings
+
+    @property
+    def overview(self) -> Overview:
+        """Fabric and scaling figures of the last evaluation (empty before the first)."""
+        return self.analyzer.overview if self.analyzer is not None else {}
+
+    def snapshot(self, *, hub: HubInfo | None = None, replay: ReplayInfo | None = None,
+                 recent: int | None = None) -> Snapshot:
+        """What a viewer draws: the state's columns, the findings and the overview, and
+        where they come from (a live hub's address and counters, or a replay)."""
+        view = self.state.view(recent)
+        snap = Snapshot(
+            t_hub=view["t_hub"], run=view["run"], ranks=view["ranks"], nodes=view["nodes"],
+            build_s=view["build_s"], findings=self._findings,
+            analysis_s=self.analyzer.last_eval_s if self.analyzer is not None else None,
+            overview=self.overview,
+            hub=hub if hub is not None else HubInfo(address=None, counters={}, record=None),
+        )
+        if replay is not None:
+            snap["replay"] = replay
+        return snap
+
+    def rank_detail(self, rank: int) -> RankDetail:
+        """One rank of the current attempt in full (see ``RunState.rank_detail``)."""
+        return self.state.rank_detail(rank)

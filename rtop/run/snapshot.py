@@ -1,0 +1,232 @@
+"""The shapes that travel from the hub to viewers, declared once for mypy to check.
+
+A :class:`Snapshot` is what the hub pushes to a viewer (and what replay and the
+screenshots build from a recording): the run, one column per figure over the ranks of
+the current attempt, the nodes folded to their worst rank, the findings and the
+overview of the diagnosis, and where it came from. It travels as a msgpack map, so
+these are ``TypedDict``\\ s: the same plain dicts, with their keys and value types
+declared. Every figure is ``None`` where it was not measured, never 0.
+
+Column names carry their units, as the wire does (``collectors.schema``): ``_s``
+seconds, ``_bytes`` bytes, ``_Bps`` bytes per second, ``_pct`` percent.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal, TypedDict
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import NotRequired
+
+Severity = Literal["critical", "warning", "info"]
+#: Where a rank stands: active | finished (closed the probe) | exited (interpreter exit
+#: without close) | failed (an uncaught exception) | lost (silent or gone without a
+#: word) | ended (a later attempt replaced it).
+Status = Literal["active", "finished", "exited", "failed", "lost", "ended"]
+
+Num = float | None
+Column = list[float | None]
+
+
+class RunInfo(TypedDict):
+    """The run as a whole: which job, which attempt, how much the hub has taken in."""
+
+    job: str  # the job's own id (Ray Train run id, torchrun run id or rendezvous)
+    name: str  # the hub's name for the job (``rtop serve --job``)
+    attempt: int | None  # the current attempt (worker group), from 0
+    attempts: int
+    world_size: int
+    ranks_seen: int
+    uptime_s: float
+    frames: int
+    step_records: int
+    bad_frames: int
+    hub: NotRequired[dict[str, Any]]  # version, address, pid and start time of the hub
+    record: NotRequired[str]  # the recording's path, when the hub records
+
+
+class RankColumns(TypedDict):
+    """One list per figure, index ``i`` for the i-th rank of the current attempt (by rank).
+
+    Step figures are medians over each rank's recent steps; ``gpu_*`` (NVML), ``host_*``
+    (psutil) and ``mem_*`` (the training device) are the latest samples.
+    """
+
+    rank: list[int]
+    node: list[str]
+    status: list[Status]
+    step: list[int]  # last step reported, -1 before the first
+    last_seen_s: list[float]  # since the rank's last frame
+    dropped: list[int]  # records the rank could not send
+    rtop_cpu: Column  # share of a core the rank's collector uses
+    offset_s: Column  # the rank's clock minus the hub's
+    phase: list[str | None]  # what the training thread was doing at its last heartbeat
+    mem_device: list[str | None]  # "cuda:N" or "cpu"
+    # recent medians of the step records
+    step_s: Column
+    data_wait_s: Column
+    compute_s: Column
+    gpu_s: Column
+    comm_s: Column
+    comm_exposed_s: Column
+    comm_bytes: Column
+    busbw_Bps: Column
+    samples: Column
+    gap_s: Column
+    # latest NVML sample
+    gpu_util_pct: Column
+    gpu_mem_util_pct: Column
+    gpu_mem_used_bytes: Column
+    gpu_mem_total_bytes: Column
+    gpu_power_w: Column
+    gpu_power_limit_w: Column
+    gpu_temp_c: Column
+    gpu_sm_clock_mhz: Column
+    gpu_sm_clock_max_mhz: Column
+    gpu_clock_event_reasons: Column
+    gpu_pcie_tx_Bps: Column
+    gpu_pcie_rx_Bps: Column
+    gpu_nvlink_tx_Bps: Column
+    gpu_nvlink_rx_Bps: Column
+    # latest psutil sample
+    host_proc_cpu_pct: Column
+    host_loader_cpu_pct: Column
+    host_loader_procs: Column
+    host_rss_bytes: Column
+    host_sys_mem_avail_bytes: Column
+    host_sys_mem_total_bytes: Column
+    host_cgroup_mem_limit_bytes: Column
+    host_sys_cpu_pct: Column
+    host_load_avg_1m: Column
+    # latest memory sample of the training device
+    mem_used_bytes: Column
+    mem_reserved_bytes: Column
+    mem_peak_bytes: Column
+    mem_capacity_bytes: Column
+    mem_param_bytes: Column
+    mem_grad_bytes: Column
+    mem_optim_bytes: Column
+    # how long the current phase had lasted at the last heartbeat
+    phase_s: Column
+
+
+class NodeColumns(TypedDict):
+    """One list per figure, one entry per node: the node's worst rank (slowest step,
+    longest wait, longest allreduce, lowest bus bandwidth)."""
+
+    node: list[str]
+    ranks: list[int]
+    active: list[int]
+    step_s: Column
+    data_wait_s: Column
+    comm_s: Column
+    busbw_Bps: Column
+
+
+class FindingDict(TypedDict):
+    """What is wrong, where, why rtop thinks so, and what usually fixes it."""
+
+    kind: str  # one of ``rtop.analysis.kinds.KINDS``
+    ranks: list[int]
+    severity: Severity
+    summary: str
+    evidence: dict[str, Any]  # the numbers behind it, unit-named; None where unmeasured
+    fix: str
+    impact: float  # share of the job's step time it costs, for ordering
+
+
+class EpisodeDict(FindingDict):
+    """A finding from its start to its end (or now), as reports list them."""
+
+    since: float
+    until: float
+    duration_s: float
+    active: bool
+
+
+class WhatIf(TypedDict):
+    """Scaling efficiency at another rank count, the same per-rank batch and fabric."""
+
+    ranks: int
+    comm_s: Num
+    efficiency: Num
+
+
+class Scaling(TypedDict):
+    """Scaling figures: compute / (compute + allreduce), and what more ranks would give."""
+
+    efficiency: Num  # compute / (compute + exposed allreduce)
+    efficiency_no_overlap: Num  # compute / (compute + whole allreduce)
+    compute_s: Num
+    comm_s: Num
+    comm_exposed_s: Num
+    comm_bytes: Num
+    busbw_Bps: Num
+    what_if: list[WhatIf]
+
+
+class Overview(TypedDict, total=False):
+    """What the diagnosis shows whether or not anything is wrong (empty before its
+    first evaluation, or where no diagnosis runs)."""
+
+    fabric: str  # the fabric class the allreduce crosses: nvlink, pcie, ethernet, ...
+    expected_busbw_Bps: Num  # what that class should give; None: not judged
+    nodes: int
+    scaling: Scaling | None
+
+
+class HubInfo(TypedDict):
+    """Where a snapshot came from: the live hub's address and counters, or a recording."""
+
+    address: str | None  # None in a replay
+    counters: dict[str, int]
+    record: str | None
+
+
+class ReplayInfo(TypedDict):
+    """Where a replay stands."""
+
+    position_s: float
+    duration_s: float | None
+    speed: float
+    paused: bool
+    finished: bool
+    warnings: list[str]
+
+
+class Snapshot(TypedDict):
+    """What a viewer draws (see the module doc)."""
+
+    t_hub: float
+    run: RunInfo
+    ranks: RankColumns
+    nodes: NodeColumns
+    build_s: float  # seconds the hub took to build the columns
+    findings: list[FindingDict]  # active findings, worst first
+    analysis_s: float | None  # seconds the last diagnosis took; None: no diagnosis
+    overview: Overview
+    hub: HubInfo
+    replay: NotRequired[ReplayInfo]
+
+
+class RankDetail(TypedDict):
+    """One rank of the current attempt in full (``found`` is False if it is unknown)."""
+
+    rank: int
+    found: bool
+    identity: NotRequired[dict[str, Any]]  # ``collectors.identity.Identity.to_wire()``
+    status: NotRequired[Status]
+    meta: NotRequired[dict[str, Any]]  # notes, device facts, an error it reported
+    stack: NotRequired[str | None]  # the training thread's stack, when it was stuck
+    events: NotRequired[list[list[Any]]]  # rows of ``collectors.schema.EVENT_FIELDS``
+    offset_s: NotRequired[float | None]
+    gpu: NotRequired[list[Any] | None]  # latest rows of the schema's tables
+    host: NotRequired[list[Any] | None]
+    mem: NotRequired[list[Any] | None]
+    hb: NotRequired[list[Any] | None]
+    summary: NotRequired[dict[str, float | None]]  # medians kept once its window is freed
+    steps: NotRequired[dict[str, Column]]  # step history, one column per field
+    samples: NotRequired[dict[str, Column]]  # sample history, one column per field
