@@ -3,6 +3,7 @@ one rank in each, the link throttled with tbf in the middle of the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -14,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from collectors.schema import STEP_FIELDS
+from collectors.wire import WireError
 from rtop.analysis import AnalysisConfig
 from rtop.report import build_report
+from rtop.run.recording import read
 from rtop.workload import WorkloadSpec
 
 NS = ("rtop-node-a", "rtop-node-b")
@@ -53,6 +57,34 @@ def two_nodes():
     teardown()
 
 
+def training_seconds(record: Path) -> dict[int, float]:
+    """Per rank, seconds from its first to its last recorded step (the hub's recording,
+    read up to its last whole frame while it is being written)."""
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    t_index = STEP_FIELDS.index("t_wall")
+    with contextlib.suppress(OSError, WireError):
+        for _, frame in read(record):
+            if frame.kind != "batch":
+                continue
+            rank = frame.payload["rank"]
+            for row in frame.payload.get("steps") or []:
+                first.setdefault(rank, row[t_index])
+                last[rank] = row[t_index]
+    return {r: last[r] - first[r] for r in first}
+
+
+def wait_for_training(record: Path, ranks: int, seconds: float, timeout: float) -> bool:
+    """Wait until every one of ``ranks`` ranks has trained ``seconds`` (see above)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = training_seconds(record)
+        if len(done) == ranks and min(done.values()) >= seconds:
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def in_ns(ns: str, *cmd: str, env: dict | None = None, **kw) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=env, **kw)
 
@@ -84,7 +116,9 @@ def test_throttled_inter_node_link_is_a_slow_link(two_nodes, tmp_path):
             ranks.append(in_ns(ns, sys.executable, "-m", "rtop.workload", "--rank", str(rank),
                                "--master", f"{IP[0]}:29611", "--spec", spec.to_json(),
                                "--out", str(out), env=env))
-        time.sleep(14)  # spawn, rendezvous and ~8 s of healthy training
+        # spawn, rendezvous, warm-up, then ~8 s of healthy training before the throttle
+        assert wait_for_training(record, ranks=2, seconds=8.0, timeout=90.0), \
+            f"the ranks did not train 8 s within 90 s: {training_seconds(record)}"
         throttled_at = time.time()
         for ns, dev in zip(NS, DEV, strict=True):
             sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",

@@ -112,7 +112,7 @@ class Analyzer:
         #: fabric and scaling figures of the last evaluation (see :func:`evaluate`)
         self.overview: Overview = {}
 
-    def update(self, state: RunState, now: float | None = None) -> list[FindingDict]:
+    def update(self, state: RunState, now: float | None = None) -> list[EpisodeDict]:
         """Evaluate once; return the active findings, worst first."""
         t = state.now if now is None else now
         t0 = time.perf_counter()
@@ -146,9 +146,9 @@ class Analyzer:
                 del self.active[kind]
         return self.current()
 
-    def current(self) -> list[FindingDict]:
-        """The active findings, worst first."""
-        return order([cast(FindingDict, ep.to_dict()) for ep in self.active.values()])
+    def current(self) -> list[EpisodeDict]:
+        """The active findings, worst first, each with when it started."""
+        return order([ep.to_dict() for ep in self.active.values()])
 
     def all_episodes(self) -> list[EpisodeDict]:
         """Every finding that ever started, worst first (active ones before ended)."""

@@ -16,7 +16,7 @@ from typing import Final
 from collectors import wire
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.engine import Analyzer
-from rtop.run.snapshot import FindingDict, HubInfo, Overview, RankDetail, ReplayInfo, Snapshot
+from rtop.run.snapshot import EpisodeDict, HubInfo, Overview, RankDetail, ReplayInfo, Snapshot
 from rtop.run.state import RankState, RunState
 
 #: Seconds of the hub's time between two evaluations of the diagnosis.
@@ -29,7 +29,7 @@ class Evaluation:
 
     t: float
     lost: list[RankState] = field(default_factory=list)
-    started: list[FindingDict] = field(default_factory=list)
+    started: list[EpisodeDict] = field(default_factory=list)
     cleared: list[str] = field(default_factory=list)
 
 
@@ -46,7 +46,7 @@ class Monitor:
         self.state = state if state is not None else RunState()
         self.analyzer = Analyzer(config) if diagnose else None
         self._next_eval = -math.inf
-        self._findings: list[FindingDict] = []
+        self._findings: list[EpisodeDict] = []
 
     # ---- frames and time ----------------------------------------------------------------
 
@@ -77,7 +77,7 @@ class Monitor:
     # ---- what viewers see ---------------------------------------------------------------
 
     @property
-    def findings(self) -> list[FindingDict]:
+    def findings(self) -> list[EpisodeDict]:
         """The active findings, worst first, as of the last evaluation."""
         return self._findings
 

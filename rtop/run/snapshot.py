@@ -11,8 +11,7 @@ Column names carry their units, as the wire does (``collectors.schema``): ``_s``
 seconds, ``_bytes`` bytes, ``_Bps`` bytes per second, ``_pct`` percent.
 """
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: TypedDict must see ``NotRequired`` itself
 import sys
 from typing import Any, Literal, TypedDict
 
@@ -205,7 +204,7 @@ class Snapshot(TypedDict):
     ranks: RankColumns
     nodes: NodeColumns
     build_s: float  # seconds the hub took to build the columns
-    findings: list[FindingDict]  # active findings, worst first
+    findings: list[EpisodeDict]  # active findings, worst first, since when
     analysis_s: float | None  # seconds the last diagnosis took; None: no diagnosis
     overview: Overview
     hub: HubInfo
