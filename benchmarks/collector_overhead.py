@@ -131,7 +131,7 @@ def _bench_rank(rank: int, world: int, port: int, hub_up: str, hub_dead: str, to
                     block_cpu.append(now_cpu - prev_cpu)
                 prev, prev_cpu = now, now_cpu
             if probe is not None:
-                sender_cpu[name].append(_thread_cpu(probe._sender) / max(1, block))
+                sender_cpu[name].append(_thread_cpu(probe.sender) / max(1, block))
                 probe.close()
             if profiler is not None:
                 profiler.__exit__(None, None, None)
@@ -324,7 +324,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
         t0 = time.perf_counter()
         for _ in range(k):
             hook(group, bucket)
-            probe._comm.clear()
+            probe.comm.buckets.clear()
         hooked = time.perf_counter() - t0
         t0 = time.perf_counter()
         for _ in range(k):
@@ -338,7 +338,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
         t0 = time.thread_time()
         for _ in range(k):
             hook(dist.group.WORLD, bucket).wait()
-            probe._comm.clear()
+            probe.comm.buckets.clear()
         ours = time.thread_time() - t0
         t0 = time.thread_time()
         for _ in range(k):
@@ -361,7 +361,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
         for _ in range(9):
             t0 = time.thread_time()
             for _ in range(k):
-                ddptimer.read(p)
+                ddptimer.read(p.comm)
             costs.append((time.thread_time() - t0) / k)
         p.close(0.1)
         return statistics.median(costs)
@@ -414,7 +414,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
                         block.append(time.thread_time() - t0)
                 per[name].append(statistics.median(block))
                 if p is not None:
-                    p._records.clear()
+                    p.records.clear()
                     p.close(0.1)
                 del model, opt, p
                 gc.collect()
@@ -429,7 +429,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
         return out
 
     loop_us = statistics.median((instrumented() - bare()) / n for _ in range(5)) * 1e6
-    probe._records.clear()
+    probe.records.clear()
     add_us = statistics.median(additions(50_000) for _ in range(9)) * 1e6
     dist.init_process_group("gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{free_port()}")

@@ -139,22 +139,31 @@ def timing_check(torch: Any, steps: int) -> None:
     import collectors
     from collectors.identity import detect
     from collectors.schema import STEP_FIELDS
+    from collectors.steps import StepRecords
 
     print("\n2. CUDA-event step timing, and no synchronization on the training thread")
     ddp, opt, x = _job(torch)
     probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
     probe.watch(ddp, optimizer=opt)
-    check("CUDA timing on", probe._cuda is not None, "step timing switched to CUDA events")
-    check("comm hook on CUDA", probe._ddp_logger is None and probe._comm is not None,
+    check("CUDA timing on", probe.cuda is not None, "step timing switched to CUDA events")
+    check("comm hook on CUDA", probe.comm.ddp_logger is None and probe.comm.buckets is not None,
           probe.notes[-1] if probe.notes else "")
+    # what the sender thread (not started here) does with the probe's finished steps
+    records = StepRecords(probe.config.cuda_resolve_timeout_s)
+
+    def drain() -> list[list[Any]]:
+        """Every step record the finished steps make, all CUDA events resolved (the
+        caller synchronized first: this is the check's clock, not the probe's)."""
+        return records.drain(probe.records, probe.cuda, world=probe.comm.world,
+                             nbytes=probe.comm.nbytes, now=time.monotonic(), final=True)
+
     for _ in range(5):  # warm-up, not measured
         with probe.step():
             ddp(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
     torch.cuda.synchronize()
-    probe._sender._drain_steps(final=True)
-    probe._sender._rows["steps"].clear()
+    drain()  # the warm-up steps' records: not measured
     counter = SyncCounter(torch)
     ref: list[tuple[Any, Any]] = []
     host: list[float] = []
@@ -177,8 +186,7 @@ def timing_check(torch: Any, steps: int) -> None:
         counter.restore()
     check("no host sync on the training thread", not counter.calls,
           f"{len(counter.calls)} calls {sorted(set(counter.calls))}")
-    probe._sender._drain_steps(final=True)
-    rows = [dict(zip(STEP_FIELDS, r, strict=True)) for r in probe._sender._rows["steps"]]
+    rows = [dict(zip(STEP_FIELDS, r, strict=True)) for r in drain()]
     probe.close(1.0)
     ref_s = [a.elapsed_time(b) / 1e3 for a, b in ref]
     gpu_s = [r["gpu_s"] for r in rows]

@@ -328,8 +328,7 @@ class Generator:
                  notes: Any) -> None:
         self.idx, self.o, self.c = idx, opts, Counters(counters, idx)
         self.flags, self.notes = flags, notes
-        self.host, _, port = opts["address"].rpartition(":")
-        self.port = int(port)
+        self.host, self.port = wire.parse_address(opts["address"])
         self.stopping = False  # stop sending (flags["stop"])
         self.quitting = False  # say bye and leave (flags["quit"])
         self._ppid = os.getppid()

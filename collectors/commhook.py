@@ -94,8 +94,7 @@ def install(probe: Probe, model: Any) -> str:
 
     box = getattr(model, "_rtop_probe_box", None)
     if box is not None:  # watched before (by an earlier, closed probe): report here now
-        probe._comm_world = box[1]
-        probe._comm = []
+        probe.comm.use_hook(box[1])
         box[0] = probe
         return "allreduce timed by rtop's comm hook, installed earlier on this model"
     existing = list(getattr(model, "_comm_hooks", []) or [])
@@ -111,7 +110,6 @@ def install(probe: Probe, model: Any) -> str:
 
     process_group: Any = getattr(model, "process_group", None) or dist.group.WORLD
     world = int(process_group.size()) if process_group is not None else 1
-    probe._comm_world = world
     default_hook = _mean_allreduce_like_ddp(model)
     inner: dict[str, Any] = {"hook": default_hook, "state": process_group}
     clock = time.perf_counter
@@ -119,16 +117,15 @@ def install(probe: Probe, model: Any) -> str:
 
     def rtop_timed_allreduce(state: object, bucket: Any) -> Any:
         p = box[0]
-        cuda = p._cuda
+        cuda = p.cuda
         entry: list[Any] = [
             cuda.record() if cuda is not None else clock(), None, bucket.buffer().nbytes
         ]
-        steps = p._comm
+        steps = p.comm.buckets
         if steps is not None and len(steps) < MAX_BUCKETS_PER_STEP:
             steps.append(entry)
         if bucket.is_last():
-            p._phase = "comm"
-            p._phase_t = clock()
+            p.activity.enter("comm", clock())
 
         def mark_done() -> None:
             entry[1] = cuda.record() if cuda is not None else clock()
@@ -150,7 +147,7 @@ def install(probe: Probe, model: Any) -> str:
         "return": torch.futures.Future[torch.Tensor],
     }
     model.register_comm_hook(None, rtop_timed_allreduce)
-    probe._comm = []
+    probe.comm.use_hook(world)
     original_register = model.register_comm_hook
 
     def register_comm_hook(self: Any, state: object, hook: Any) -> None:

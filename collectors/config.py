@@ -47,7 +47,9 @@ class ProbeConfig:
     buffer_records: int = 8192
     #: Encoded frames kept while the hub is unreachable (oldest dropped first).
     backlog_frames: int = 240
-    #: Bytes of frames waiting in the socket's send path before new frames are dropped.
+    #: Bytes of encoded frames not yet sent (queued, or being written to the socket)
+    #: beyond which the oldest queued frames are dropped, their records counted as
+    #: ``dropped_unsent`` (like ``backlog_frames``, which counts frames instead).
     max_unsent_bytes: int = 8 * 1024 * 1024
     connect_timeout_s: float = 1.0
     welcome_timeout_s: float = 5.0

@@ -31,6 +31,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collectors.handover import CommTiming
     from collectors.probe import Probe
 
 log = logging.getLogger("collectors")
@@ -65,7 +66,8 @@ def unusable_reason(model: Any) -> str | None:
 
 
 def install(probe: Probe, model: Any) -> str:
-    """Have DDP time every iteration and point the probe at its logger; return a note."""
+    """Have DDP time every iteration and point the probe's ``comm`` at its logger;
+    return a note."""
     import torch.distributed as dist
 
     model._set_ddp_runtime_logging_sample_rate(1)
@@ -73,10 +75,6 @@ def install(probe: Probe, model: Any) -> str:
     ints = logger._get_ddp_logging_data().ints_map
     group: Any = getattr(model, "process_group", None) or dist.group.WORLD
     world = int(group.size()) if group is not None else 1
-    probe._comm_world = world
-    probe._comm_bytes = int(ints.get("total_parameter_size_bytes", 0))
-    probe._ddp_iteration = None
-    probe._ddp_logger = logger
     # The heartbeat's "comm" phase starts when backward has produced the last gradient:
     # one hook, on the parameter whose gradient backward computes last (the first one,
     # in a model whose layers run in the order they are declared).
@@ -87,10 +85,9 @@ def install(probe: Probe, model: Any) -> str:
         clock = time.perf_counter
 
         def rtop_backward_done(param: Any) -> None:
-            p = box[0]
-            if p._depth > 0:
-                p._phase = "comm"
-                p._phase_t = clock()
+            act = box[0].activity
+            if act.in_step:
+                act.enter("comm", clock())
 
         register = getattr(first, "register_post_accumulate_grad_hook", None)
         if register is not None:  # torch >= 2.1; without it the phase stays "compute"
@@ -98,7 +95,8 @@ def install(probe: Probe, model: Any) -> str:
         model._rtop_probe_box = box
     else:
         box[0] = probe
-    probe._ddp_model = weakref.ref(model)
+    probe.comm.use_ddp_timer(logger, world, int(ints.get("total_parameter_size_bytes", 0)),
+                             weakref.ref(model))
     return (
         f"allreduce timed by DDP's own timer, every step ({world} ranks): from the first "
         "bucket's launch to the last one's completion; no comm hook, the gradients' "
@@ -109,8 +107,8 @@ def install(probe: Probe, model: Any) -> str:
 def release(probe: Probe) -> None:
     """When the probe closes: leave its model as ``watch`` found it (DDP's own sampling
     rate, no rtop hook on the parameter), unless a newer probe watches it now."""
-    ref = probe._ddp_model
-    probe._ddp_model = None
+    ref = probe.comm.ddp_model
+    probe.comm.ddp_model = None
     model = ref() if ref is not None else None
     if model is None:
         return
@@ -128,23 +126,23 @@ def release(probe: Probe) -> None:
         log.debug("rtop: could not release the DDP model: %r", exc)
 
 
-def read(probe: Probe) -> DdpStamps | None:
+def read(comm: CommTiming) -> DdpStamps | None:
     """On the training thread at step exit: DDP's stamps of the step's backward.
 
     Costs about 8 us (the logger's own update and one read of its figures).
     ``None`` when they cannot be read, an empty tuple when the step ran no
     synchronized backward.
     """
-    logger = probe._ddp_logger
+    logger = comm.ddp_logger
     try:
         logger.set_runtime_stats_and_log()  # what DDP's next forward would do
         ints = logger._get_ddp_logging_data().ints_map
     except Exception:  # never break the job because of rtop
         return None
     iteration = ints.get("iteration")
-    if iteration is None or iteration == probe._ddp_iteration:
+    if iteration is None or iteration == comm.ddp_iteration:
         return ()
-    probe._ddp_iteration = iteration
+    comm.ddp_iteration = iteration
     return (
         ints.get("backward_comm_time_start", 0),
         ints.get("backward_compute_time_end", 0),

@@ -13,8 +13,11 @@ In order:
    never slow a rank down) and the others wait for the file.
 
 This runs on the collector's sender thread, never on the training thread. It imports
-Ray only when the process already has it, and never imports ``rtop``: the hub runs in
-another process (the Ray actor's, or its own).
+Ray only when the process already has it. The hub always runs in another process (the
+Ray actor's, or its own), and the application (``rtop``) is named in one place only,
+"the seam" below: the command that starts a node's hub, and the Ray actor's class,
+imported there lazily when a rank has to create the actor
+(``tests/test_import_seam.py`` keeps it that way).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from collectors.identity import Identity
+from collectors.wire import parse_address
 
 log = logging.getLogger("collectors")
 
@@ -82,9 +86,31 @@ def read_hub_file(path: Path) -> dict[str, Any] | None:
     return info
 
 
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
+# ---- the seam ---------------------------------------------------------------------
+# The only code in collectors that names the application (rtop). A rank never runs a
+# hub in its own process: it starts one beside it, this node's through the
+# application's command line, or a Ray actor whose code is the application's.
+
+
+def hub_command(key: str, path: Path) -> list[str]:
+    """The command that starts this node's hub for job ``key`` (``rtop serve --auto``),
+    which writes its address to the discovery file ``path``."""
+    return [sys.executable, "-m", "rtop", "serve", "--auto", "--job", key,
+            "--discovery-file", str(path)]
+
+
+def ray_hub_actor_class() -> type:
+    """The class of the Ray actor that runs a job's hub (``rtop.hub.ray_actor``).
+
+    Imported only here, and only when a Ray Train rank has to create the actor; the
+    class's code runs in the actor's process, where the application belongs.
+    """
+    from rtop.hub.ray_actor import RayHubActor  # the seam: collectors' one import of rtop
+
+    return RayHubActor
+
+
+# ---- the node-local hub -------------------------------------------------------------
 
 
 def local_hub(identity: Identity, spawn: bool = True) -> HubAddress | None:
@@ -103,13 +129,12 @@ def local_hub(identity: Identity, spawn: bool = True) -> HubAddress | None:
                 info = _spawn_local_hub(key, path, rdir)
     if info is None:
         return None
-    host, port = _split(info["address"])
+    host, port = parse_address(info["address"])
     return host, port, info.get("token")
 
 
 def _spawn_local_hub(key: str, path: Path, rdir: Path) -> dict[str, Any] | None:
-    cmd = [sys.executable, "-m", "rtop", "serve", "--auto", "--job", key,
-           "--discovery-file", str(path)]
+    cmd = hub_command(key, path)
     log.info("rtop: starting this node's hub for job %s", key)
     with open(rdir / f"hub-{key}.log", "ab") as out:
         try:
@@ -127,40 +152,6 @@ def _spawn_local_hub(key: str, path: Path, rdir: Path) -> dict[str, Any] | None:
     log.warning("rtop: the hub did not start within %.0f s (see %s)", SPAWN_WAIT_S,
                 rdir / f"hub-{key}.log")
     return None
-
-
-class RayHubActor:
-    """The Ray actor that runs a job's hub. Its code runs in the actor's own process,
-    where importing the application (``rtop``) is fine."""
-
-    def __init__(self, job: str, record: str | None = None) -> None:
-        from rtop.hub.service import ThreadedHub
-
-        # niced: on a node it shares with training workers, the workers come first
-        self._hub = ThreadedHub(job=job, record=record, host="0.0.0.0", linger_s=600.0,
-                                on_exit=self._exit, nice=10)
-        self._hub.start()
-
-    def _exit(self) -> None:
-        import ray
-
-        ray.actor.exit_actor()  # type: ignore[no-untyped-call]
-
-    def address(self) -> tuple[str, int, str]:
-        """``(host, port, token)`` of the hub."""
-        host, port = _split(self._hub.address)
-        return host, port, self._hub.token
-
-    def info(self) -> dict[str, Any]:
-        """What ``rtop`` shows when listing hubs."""
-        return {"address": self._hub.address, "token": self._hub.token,
-                "job": self._hub.job, "record": self._hub.record_path}
-
-    def shutdown(self) -> str | None:
-        """Stop the hub (the recording is flushed and closed); returns its path."""
-        path = self._hub.record_path
-        self._hub.stop()
-        return path
 
 
 def ray_actor_name(identity: Identity) -> str:
@@ -181,7 +172,7 @@ def ray_hub(identity: Identity, create: bool = True) -> HubAddress | None:
     except ValueError:
         if not create:
             return None
-        remote_cls: Any = ray.remote(RayHubActor)
+        remote_cls: Any = ray.remote(ray_hub_actor_class())
         actor = remote_cls.options(
             name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
             num_cpus=0, max_restarts=0,
@@ -194,7 +185,7 @@ def resolve(identity: Identity, hub: str | None, token: str | None,
             allow_spawn: bool = True) -> HubAddress | None:
     """Where this rank's hub is: explicit address, Ray actor, or the node-local hub."""
     if hub:
-        host, port = _split(hub)
+        host, port = parse_address(hub)
         return host, port, token
     if os.environ.get("RTOP_AUTOHUB", "1").lower() in ("0", "false", "no"):
         return None

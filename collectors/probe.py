@@ -1,5 +1,13 @@
 """The probe: what the training loop calls. Its hot-path methods only take timestamps
 and append a tuple to a bounded buffer; everything else happens on the sender thread.
+
+What the probe hands over to other code, all documented attributes of :class:`Probe`:
+``records`` and ``events`` (bounded buffers the sender thread empties), ``activity``
+(the training thread's phase, :class:`collectors.handover.Activity`), ``comm`` (how
+the collectives are timed, :class:`collectors.handover.CommTiming`, written by
+:mod:`collectors.commhook` and :mod:`collectors.ddptimer`) and ``cuda`` (the CUDA
+event pool once steps are timed on the GPU). Nothing outside this module writes a
+probe's own fields.
 """
 
 from __future__ import annotations
@@ -11,26 +19,24 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from collectors import ddptimer
 from collectors.config import ProbeConfig
 from collectors.cuda_events import EventPool
+from collectors.handover import Activity, CommTiming
 from collectors.identity import Identity
 from collectors.memory import MemorySampler
+from collectors.steps import RawStep
+
+if TYPE_CHECKING:
+    from collectors.sender import Sender
 
 log = logging.getLogger("collectors")
 
 T = TypeVar("T")
 
-#: A finished step as the training thread leaves it for the sender thread:
-#: (step, t_start, data_wait_s, t_enter, t_exit, samples, buckets, gap_s, cuda_pair);
-#: ``buckets`` is the comm hook's bucket list, or DDP's own stamps (a tuple, see
-#: ``collectors.ddptimer``), or None when the collectives are not timed.
-RawStep = tuple[
-    int, float, "float | None", float, float, "int | None", "list[Any] | tuple[int, ...] | None",
-    "float | None", "tuple[Any, Any] | None",
-]
+__all__ = ["Probe", "RawStep", "TimedIterable", "batch_size"]
 
 
 def batch_size(batch: Any, _depth: int = 0) -> int | None:
@@ -67,16 +73,17 @@ class TimedIterable(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         probe = self._probe
-        probe._train_tid = threading.get_ident()
+        act = probe.activity
+        act.thread_id = threading.get_ident()
         it = iter(self._iterable)
         clock = time.perf_counter
         while True:
             t0 = clock()
-            probe._phase, probe._phase_t = "data", t0
+            act.phase, act.since = "data", t0
             try:
                 item = next(it)
             except StopIteration:
-                probe._phase, probe._phase_t = "idle", clock()
+                act.phase, act.since = "idle", clock()
                 return
             t1 = clock()
             if probe._wait_t0 is None:
@@ -87,29 +94,32 @@ class TimedIterable(Generic[T]):
             n = batch_size(item)
             if n is not None:
                 probe._samples = (probe._samples or 0) + n
-            probe._phase, probe._phase_t = "idle", t1
+            act.phase, act.since = "idle", t1
             yield item
 
 
 class _StepTimer:
     """The context manager ``probe.step()`` returns; re-entering it nests harmlessly."""
 
-    __slots__ = ("_p",)
+    __slots__ = ("_a", "_c", "_p")
 
     def __init__(self, probe: Probe) -> None:
         self._p = probe
+        self._a = probe.activity
+        self._c = probe.comm
 
     def __enter__(self) -> Probe:
         p = self._p
-        p._depth += 1
-        if p._depth == 1:
+        a = self._a
+        a.depth += 1
+        if a.depth == 1:
             t = time.perf_counter()
             p._t_enter = t
-            p._phase, p._phase_t = "compute", t
-            if p._train_tid is None:
-                p._train_tid = threading.get_ident()
-            if p._cuda is not None:
-                p._cuda_start = p._cuda.record()
+            a.phase, a.since = "compute", t
+            if a.thread_id is None:
+                a.thread_id = threading.get_ident()
+            if p.cuda is not None:
+                p._cuda_start = p.cuda.record()
         return p
 
     def __exit__(
@@ -119,35 +129,38 @@ class _StepTimer:
         tb: TracebackType | None,
     ) -> Literal[False]:
         p = self._p
-        p._depth -= 1
-        if p._depth > 0:
+        a = self._a
+        a.depth -= 1
+        if a.depth > 0:
             return False
-        if p._depth < 0:  # exit without enter: ignore rather than break the job
-            p._depth = 0
+        if a.depth < 0:  # exit without enter: ignore rather than break the job
+            a.depth = 0
             return False
         t = time.perf_counter()
         cuda_pair = None
-        if p._cuda is not None and p._cuda_start is not None:
-            cuda_pair = (p._cuda_start, p._cuda.record())
+        cuda = p.cuda
+        if cuda is not None and p._cuda_start is not None:
+            cuda_pair = (p._cuda_start, cuda.record())
             p._cuda_start = None
-        buckets: list[Any] | tuple[int, ...] | None = p._comm
+        comm = self._c
+        buckets: list[Any] | tuple[int, ...] | None = comm.buckets
         if buckets is not None:
-            p._comm = []
-        elif p._ddp_logger is not None:
-            buckets = ddptimer.read(p)
+            comm.buckets = []
+        elif comm.ddp_logger is not None:
+            buckets = ddptimer.read(comm)
         t_start = p._wait_t0 if p._wait_t0 is not None else p._t_enter
         gap = t_start - p._prev_exit if p._prev_exit is not None else None
         record: RawStep = (
             p._step, t_start, p._wait_s, p._t_enter, t, p._samples, buckets, gap, cuda_pair,
         )
-        if len(p._records) < p._capacity:
-            p._records.append(record)
+        if len(p.records) < p._capacity:
+            p.records.append(record)
         else:
             p.dropped_buffer += 1
         p._wait_t0 = p._wait_s = p._samples = None
         p._prev_exit = t
         p._step += 1
-        p._phase, p._phase_t = "idle", t
+        a.phase, a.since = "idle", t
         return False
 
 
@@ -161,15 +174,15 @@ class _PhaseTimer:
 
     def __enter__(self) -> Probe:
         self._t0 = time.perf_counter()
-        self._p._phase, self._p._phase_t = self._kind, self._t0
+        self._p.activity.enter(self._kind, self._t0)
         return self._p
 
     def __exit__(self, *exc: object) -> Literal[False]:
         p = self._p
         t = time.perf_counter()
-        if len(p._events) < p._capacity:
-            p._events.append((self._t0, self._kind, t - self._t0, p._step - 1))
-        p._phase, p._phase_t = "idle", t
+        if len(p.events) < p._capacity:
+            p.events.append((self._t0, self._kind, t - self._t0, p._step - 1))
+        p.activity.enter("idle", t)
         return False
 
 
@@ -194,27 +207,27 @@ class Probe:
         self.identity = identity
         self.config = config or ProbeConfig.from_env()
         self._capacity = self.config.buffer_records
-        self._records: deque[RawStep] = deque()
-        self._events: deque[tuple[float, str, float, int]] = deque()
+        #: Finished steps, oldest first, waiting for the sender thread (which pops them
+        #: from the left); at most ``config.buffer_records``, then dropped and counted.
+        self.records: deque[RawStep] = deque()
+        #: One-off phases (``(t_start, kind, duration_s, step)``, perf_counter clock),
+        #: bounded like ``records``.
+        self.events: deque[tuple[float, str, float, int]] = deque()
+        #: Steps dropped because ``records`` was full.
         self.dropped_buffer = 0
+        #: The training thread's current phase, for the heartbeat.
+        self.activity = Activity()
+        #: How the watched model's collectives are timed (set up by ``watch``).
+        self.comm = CommTiming()
+        #: The CUDA event pool once steps are timed on the GPU (see :meth:`use_cuda_events`).
+        self.cuda: EventPool | None = None
         # training-thread state
         self._step = 0
-        self._depth = 0
-        self._phase = "idle"
-        self._phase_t = time.perf_counter()
-        self._train_tid: int | None = None
         self._wait_t0: float | None = None
         self._wait_s: float | None = None
         self._samples: int | None = None
         self._t_enter = 0.0
         self._prev_exit: float | None = None
-        self._comm: list[Any] | None = None  # per-step bucket entries once DDP is watched
-        self._comm_world = 1
-        self._ddp_logger: Any = None  # DDP's logger when its own timer times the allreduce
-        self._ddp_iteration: int | None = None
-        self._ddp_model: Any = None  # weak reference to that DDP model, released at close
-        self._comm_bytes = 0
-        self._cuda: EventPool | None = None
         self._cuda_start: Any = None
         self._step_timer = _StepTimer(self)
         self.notes: list[str] = []
@@ -266,10 +279,10 @@ class Probe:
         self.memory.watch(model, optimizer)
         if torch is None or model is None:
             return
-        if self._cuda is None and self.memory.device.startswith("cuda"):
+        if self.cuda is None and self.memory.device.startswith("cuda"):
             from collectors.cuda_events import torch_cuda_pool
 
-            self._cuda = torch_cuda_pool()
+            self.use_cuda_events(torch_cuda_pool())
             self._sender.use_cuda_device(int(self.memory.device.split(":")[1]))
         ddp = torch.nn.parallel.DistributedDataParallel
         if not isinstance(model, ddp):
@@ -287,7 +300,18 @@ class Probe:
 
             self.notes.append(install(self, model))
 
+    def use_cuda_events(self, pool: EventPool) -> None:
+        """Time steps (and the comm hook's buckets) with ``pool``'s CUDA events from now
+        on; the sender resolves them once the GPU has passed them. ``watch`` does this
+        for a model on CUDA; tests give a pool of fake events."""
+        self.cuda = pool
+
     # ---- state and shutdown ------------------------------------------------------
+
+    @property
+    def sender(self) -> Sender:
+        """The probe's sender thread (its counters, its CPU time)."""
+        return self._sender
 
     @property
     def step_count(self) -> int:

@@ -86,6 +86,24 @@ class Frame:
     payload: dict[str, Any]
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``) to ``(host, port)``, brackets removed.
+
+    Raises :class:`ValueError` naming the address when it is not ``host:port`` with a
+    port from 0 to 65535. The one parser of hub and rendezvous addresses, collectors'
+    and the application's alike.
+    """
+    host, sep, port = address.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    # an IPv6 host without brackets ("::1:9000", as a hub bound to "::1" writes its
+    # address) is taken as it always was: the port is after the last colon
+    if not sep or not host or "[" in host or "]" in host or not port.isdigit() \
+            or int(port) > 65535:
+        raise ValueError(f"address {address!r} is not host:port (or [IPv6]:port)")
+    return host, int(port)
+
+
 def encode(kind: str, payload: Mapping[str, Any]) -> bytes:
     """Encode one frame (header and body) ready to be written to a socket or a file.
 

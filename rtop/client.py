@@ -19,10 +19,10 @@ class HubClient:
     """Connects to a hub as a viewer. ``with HubClient(addr, token) as c: c.snapshot()``."""
 
     def __init__(self, address: str, token: str | None, timeout: float = 10.0) -> None:
-        host, _, port = address.rpartition(":")
+        host, port = wire.parse_address(address)
         self.address = address
         try:
-            self._sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+            self._sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise HubError(f"cannot reach the hub at {address}: {exc}") from None
         self._dec = wire.FrameDecoder()

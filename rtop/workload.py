@@ -361,8 +361,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec", required=True, help="WorkloadSpec as JSON")
     ap.add_argument("--out", required=True, help="directory for the rank's results")
     args = ap.parse_args(argv)
-    host, _, port = args.master.rpartition(":")
-    _rank_main(args.rank, WorkloadSpec.from_json(args.spec), int(port), args.out, host,
+    from collectors.wire import parse_address
+
+    host, port = parse_address(args.master)
+    _rank_main(args.rank, WorkloadSpec.from_json(args.spec), port, args.out, host,
                args.local_rank)
 
 

@@ -41,6 +41,13 @@ def _probe(mode: str):
                             start_sender=False)
 
 
+def _row(probe, raw) -> list:
+    """The step record the sender would make of a raw step (CPU: no CUDA events)."""
+    from collectors.steps import ClockMap, step_row
+
+    return step_row(raw, None, ClockMap(), world=probe.comm.world, nbytes=probe.comm.nbytes)
+
+
 def _counting_hook():
     """A user's comm hook (torch's allreduce_hook) that counts its calls."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -87,8 +94,8 @@ def _compare_grads(rank: int, world: int, port: int, out: str, as_view: bool) ->
         g_plain = _grads(plain, x, to_none=to_none)
         results.append(all(torch.equal(a, b) for a, b in zip(g_plain, g_hooked, strict=True)))
     rows = []
-    while probe._records:
-        rows.append(probe._records.popleft())
+    while probe.records:
+        rows.append(probe.records.popleft())
     calls = [len(r[6]) for r in rows]
     probe.close(0.1)
     with open(os.path.join(out, f"rank{rank}"), "w") as f:
@@ -110,7 +117,7 @@ def user_hook_after_watch(rank: int, world: int, port: int, out: str) -> None:
     with probe.step():
         g = _grads(model, x)
     same = all(torch.equal(a, b) for a, b in zip(_grads(plain, x), g, strict=True))
-    raw = probe._records.popleft()
+    raw = probe.records.popleft()
     timed = len(raw[6]) > 0 and all(b[1] is not None for b in raw[6])
     probe.close(0.1)
     with open(os.path.join(out, f"rank{rank}"), "w") as f:
@@ -131,7 +138,7 @@ def user_hook_before_watch(rank: int, world: int, port: int, out: str) -> None:
     x = torch.randn(8, 40, generator=torch.Generator().manual_seed(rank))
     with probe.step():
         _grads(model, x)
-    raw = probe._records.popleft()
+    raw = probe.records.popleft()
     probe.close(0.1)
     with open(os.path.join(out, f"rank{rank}"), "w") as f:
         f.write(f"{calls['n']} {int(raw[6] is None)} {probe.notes[-1]!r}")
@@ -160,9 +167,8 @@ def ddp_timer_figures(rank: int, world: int, port: int, out: str) -> None:
         with probe.step():
             g = _grads(timed, x)
         same.append(all(torch.equal(a, b) for a, b in zip(_grads(plain, x), g, strict=True)))
-    while probe._records:
-        raw = probe._records.popleft()
-        rows.append(probe._sender._step_row(raw, None))
+    while probe.records:
+        rows.append(_row(probe, probe.records.popleft()))
     grad_bytes = sum(q.numel() * q.element_size() for q in timed.parameters())
     first = next(timed.parameters())
     hooked = len(first._post_accumulate_grad_hooks or {})
@@ -174,7 +180,7 @@ def ddp_timer_figures(rank: int, world: int, port: int, out: str) -> None:
     again.watch(timed)
     with again.step():
         _grads(timed, torch.randn(16, 40, generator=torch.Generator().manual_seed(9)))
-    rewatched = again._sender._step_row(again._records.popleft(), None)
+    rewatched = _row(again, again.records.popleft())
     again.close(0.1)
     with open(os.path.join(out, f"rank{rank}"), "w") as f:
         json.dump({"same": all(same), "hooks": len(timed._comm_hooks), "note": probe.notes[-1],
@@ -198,7 +204,7 @@ def ddp_timer_with_user_hook(rank: int, world: int, port: int, out: str) -> None
     for step in range(3):
         with probe.step():
             _grads(model, torch.randn(8, 40, generator=torch.Generator().manual_seed(step)))
-    rows = [probe._sender._step_row(probe._records.popleft(), None) for _ in range(3)]
+    rows = [_row(probe, probe.records.popleft()) for _ in range(3)]
     probe.close(0.1)
     with open(os.path.join(out, f"rank{rank}"), "w") as f:
         json.dump({"calls": calls["n"], "rows": rows}, f)

@@ -48,8 +48,7 @@ class RankClient:
 
     def __init__(self, address: str, token: str, rank: int = 0, *, hello: bool = True,
                  **ident: Any) -> None:
-        host, _, port = address.rpartition(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.sock = socket.create_connection(wire.parse_address(address), timeout=10)
         self.dec = wire.FrameDecoder()
         self.rank = rank
         self.group = ident.get("group", "g0")

@@ -12,7 +12,6 @@ import collectors
 from collectors.cuda_events import EventPool
 from collectors.identity import Identity, detect
 from collectors.probe import batch_size
-from collectors.schema import STEP_FIELDS
 
 
 def test_import_collectors_pulls_in_no_heavy_or_app_modules():
@@ -27,8 +26,10 @@ def test_import_collectors_pulls_in_no_heavy_or_app_modules():
 
 
 @pytest.mark.parametrize("module", ["collectors", "collectors.probe", "collectors.sender",
-                                    "collectors.nvml", "collectors.commhook", "rtop",
-                                    "rtop.workload", "rtop.hub.server", "rtop.report"])
+                                    "collectors.steps", "collectors.connection",
+                                    "collectors.samplers", "collectors.nvml",
+                                    "collectors.commhook", "rtop", "rtop.workload",
+                                    "rtop.hub.server", "rtop.hub.ray_actor", "rtop.report"])
 def test_each_public_module_imports_alone(module):
     subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
 
@@ -123,55 +124,79 @@ class FakeEvent:
         return end.t - self.t
 
 
-def test_cuda_steps_resolve_later_without_synchronising():
+def _wait_for(what: str, cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_cuda_steps_resolve_later_without_synchronising(listener):
     gpu = FakeGpu()
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(), start_sender=False)
-    probe._cuda = EventPool(gpu.event)
-    probe._comm = []
-    probe._comm_world = 4
-    sender = probe._sender
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(
+        hub=listener.address, token=listener.token, flush_interval_s=0.05))
+    probe.use_cuda_events(EventPool(gpu.event))
+    probe.comm.use_hook(world=4)
+    pool = probe.cuda
+    assert pool is not None
+
+    def steps() -> list[dict]:
+        return listener.records("steps").get(0, [])
+
     for _ in range(3):
         with probe.step():
             gpu.issued += 10.0  # forward+backward kernels: 10 ms of GPU work
-            launch = probe._cuda.record()
+            launch = pool.record()
             gpu.issued += 4.0  # a 4 MB bucket's allreduce takes 4 ms
-            probe._comm.append([launch, probe._cuda.record(), 4_000_000])
+            probe.comm.buckets.append([launch, pool.record(), 4_000_000])
             gpu.issued += 1.0  # optimizer
-    sender._drain_steps()
-    assert not sender._rows["steps"], "steps were emitted before the GPU finished them"
-    gpu.done = 15.0  # the first step is complete on the GPU
-    sender._drain_steps()
-    rows = [dict(zip(STEP_FIELDS, r, strict=True)) for r in sender._rows["steps"]]
-    assert len(rows) == 1
-    row = rows[0]
-    assert row["gpu_s"] == pytest.approx(0.015)
-    assert row["comm_s"] == pytest.approx(0.004)
-    assert row["comm_exposed_s"] == pytest.approx(0.004)
-    assert row["compute_s"] == pytest.approx(0.011)
-    assert row["busbw_Bps"] == pytest.approx(4e6 / 0.004 * 2 * 3 / 4)
-    gpu.done = 1e9
-    sender._drain_steps()
-    assert len(sender._rows["steps"]) == 3
-    # events go back to the pool and are reused: 4 per step, not 4 more each step
-    with probe.step():
-        gpu.issued += 1
-    assert probe._cuda.created == 12
+    try:
+        # the sender drains every flush interval (0.05 s) and connects at once: give it
+        # many rounds; nothing may come before the GPU has finished the first step
+        _wait_for("the rank to connect", lambda: probe.stats()["connected"])
+        time.sleep(0.5)
+        assert not steps(), "steps were emitted before the GPU finished them"
+        gpu.done = 15.0  # the first step is complete on the GPU
+        _wait_for("the first step", steps)
+        time.sleep(0.3)
+        rows = steps()
+        assert len(rows) == 1
+        row = rows[0]
+        assert row["gpu_s"] == pytest.approx(0.015)
+        assert row["comm_s"] == pytest.approx(0.004)
+        assert row["comm_exposed_s"] == pytest.approx(0.004)
+        assert row["compute_s"] == pytest.approx(0.011)
+        assert row["busbw_Bps"] == pytest.approx(4e6 / 0.004 * 2 * 3 / 4)
+        gpu.done = 1e9
+        _wait_for("all three steps", lambda: len(steps()) == 3)
+        # events go back to the pool and are reused: 4 per step, not 4 more each step
+        with probe.step():
+            gpu.issued += 1
+        assert pool.created == 12
+    finally:
+        probe.close(1.0)
 
 
-def test_cuda_step_given_up_after_timeout():
-    gpu = FakeGpu()
-    probe = collectors.Probe(detect(), collectors.ProbeConfig(cuda_resolve_timeout_s=0.05),
-                             start_sender=False)
-    probe._cuda = EventPool(gpu.event)
+def test_cuda_step_given_up_after_timeout(listener):
+    gpu = FakeGpu()  # never runs anything: the step's events never complete
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(
+        hub=listener.address, token=listener.token, flush_interval_s=0.05,
+        cuda_resolve_timeout_s=1.0))
+    probe.use_cuda_events(EventPool(gpu.event))
+    t_step = time.monotonic()  # the sender queues the step after this
     with probe.step():
         gpu.issued += 5
-    probe._sender._drain_steps()
-    assert not probe._sender._rows["steps"]
-    time.sleep(0.06)
-    probe._sender._drain_steps()
-    [row] = probe._sender._rows["steps"]
-    assert row[STEP_FIELDS.index("gpu_s")] is None  # missing, not zero
-    assert row[STEP_FIELDS.index("compute_s")] is not None
+    try:
+        time.sleep(0.5)
+        assert time.monotonic() - t_step >= 1.0 or not listener.records("steps"), \
+            "the step was given up before its timeout"
+        _wait_for("the step, given up", lambda: listener.records("steps").get(0))
+        assert time.monotonic() - t_step >= 1.0
+        [row] = listener.records("steps")[0]
+        assert row["gpu_s"] is None  # missing, not zero
+        assert row["compute_s"] is not None
+    finally:
+        probe.close(1.0)
 
 
 def test_training_buffer_full_drops_and_counts():
@@ -180,7 +205,7 @@ def test_training_buffer_full_drops_and_counts():
     for _ in range(25):
         with probe.step():
             pass
-    assert len(probe._records) == 10 and probe.dropped_buffer == 15
+    assert len(probe.records) == 10 and probe.dropped_buffer == 15
     assert probe.stats()["dropped_buffer"] == 15
 
 

@@ -56,3 +56,35 @@ def test_ray_train_ranks_report_with_ray_world_ranks(listener, ray_cluster, tmp_
         assert all(r["data_wait_s"] is not None for r in steps[rank])
         assert all(r["samples"] == spec.batch for r in steps[rank])
     assert listener.hellos[0]["identity"]["group"] == listener.hellos[1]["identity"]["group"]
+
+
+def test_hub_actor_is_made_through_the_seam(ray_cluster):
+    """What a Ray Train rank does without RTOP_HUB: make its job's hub actor (the class
+    that collectors names only at its seam, rtop.hub.ray_actor) and reach its hub."""
+    import os
+
+    from collectors import discovery, wire
+    from collectors.identity import Identity
+    from tests.rankclient import RankClient
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {
+            "RTOP_RUNS_DIR": os.environ["RTOP_RUNS_DIR"]}})
+    ident = Identity(rank=0, local_rank=0, world_size=2, hostname="node-a", ip="127.0.0.1",
+                     pid=os.getpid(), job="seam-test", group="g0", source="ray")
+    host, port, token = discovery.ray_hub(ident)
+    actor = ray.get_actor(discovery.ray_actor_name(ident), namespace=discovery.RAY_NAMESPACE)
+    try:
+        info = ray.get(actor.info.remote(), timeout=60)
+        assert info["job"] == "seam-test" and info["token"] == token
+        assert wire.parse_address(info["address"]) == (host, port)
+        assert discovery.ray_hub(ident) == (host, port, token), "a second actor was made"
+        client = RankClient(f"{host}:{port}", token, rank=0)
+        try:
+            frame = client.recv(timeout=20)
+            assert frame is not None and frame.kind == wire.KIND_WELCOME, frame
+        finally:
+            client.close()
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=60)
+        ray.kill(actor)

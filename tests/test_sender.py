@@ -26,24 +26,46 @@ def _train(probe: collectors.Probe, steps: int, step_s: float = 0.005) -> None:
             time.sleep(step_s)
 
 
-def test_hub_absent_from_start_then_appears():
+#: How long the job trains with its hub absent before the hub appears: connect attempts
+#: fail (backoff up to 0.5 s) and the 2-frame backlog overflows (a frame per 0.25 s).
+ABSENT_WHILE_TRAINING_S = 3.0
+
+
+def test_hub_absent_from_start_then_appears(tmp_path):
     port = free_port()
     spec = WorkloadSpec(
         world_size=2, duration_s=8.0, dim=64, hidden=128, layers=2,
         hub=f"127.0.0.1:{port}", token="late-token",
         probe_settings={"backlog_frames": 2, "flush_interval_s": 0.25,
                         "backoff_max_s": 0.5},
+        fault_mark_dir=str(tmp_path),  # each rank writes its wall time at its first step
     )
     holder: dict = {}
+    job_over = threading.Event()
 
     def late_hub():
-        time.sleep(8.0)  # spawn + imports take ~4 s: the job has trained for a while
+        # wait for the ranks (spawn + imports take seconds) to start training ...
+        marks = [tmp_path / f"fault-rank{rank}" for rank in (0, 1)]
+        deadline = time.monotonic() + 90
+        while not all(m.exists() for m in marks):
+            if job_over.is_set() or time.monotonic() > deadline:
+                holder["error"] = "the ranks never started training (no step-0 marks)"
+                return
+            time.sleep(0.02)
+        started = max(float(m.read_text()) for m in marks)
+        # ... and to train for a while with no hub, then appear
+        while time.time() < started + ABSENT_WHILE_TRAINING_S:
+            time.sleep(0.02)
         holder["listener"] = Listener(port=port, token="late-token")
 
-    t = threading.Thread(target=late_hub)
+    t = threading.Thread(target=late_hub, daemon=True)
     t.start()
-    results = run_local(spec, timeout_s=120)
-    t.join()
+    try:
+        results = run_local(spec, timeout_s=120)
+    finally:
+        job_over.set()
+        t.join(100)
+    assert "listener" in holder, holder.get("error", "the late hub never started")
     listener = holder["listener"]
     try:
         steps = listener.records("steps")
@@ -196,3 +218,55 @@ def test_loader_workers_cpu_is_sampled(listener):
     host = listener.records("host")[0]
     assert max(h["loader_procs"] for h in host) == 2
     assert all(h["rss_bytes"] > 0 and h["sys_mem_total_bytes"] > 0 for h in host)
+
+
+def test_unreachable_hub_bounds_unsent_bytes_while_training():
+    """max_unsent_bytes drops the oldest frames while the hub is away (backlog_frames
+    alone would keep them all until close)."""
+    probe = _probe(hub=f"127.0.0.1:{free_port()}", flush_interval_s=0.05,
+                   backlog_frames=100_000, max_unsent_bytes=20_000)
+    try:
+        deadline = time.monotonic() + 30
+        while probe.stats()["dropped_unsent"] == 0:
+            assert time.monotonic() < deadline, "nothing dropped beyond max_unsent_bytes"
+            _train(probe, 500, step_s=0)
+        assert probe.stats()["connect_failures"] >= 1
+        assert probe.stats()["sent_records"] == 0
+    finally:
+        probe.close(0.2)
+
+
+class _Broken:
+    name = "broken"
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.closed = False
+
+    def sample(self, t_wall: float) -> list:
+        self.calls += 1
+        raise RuntimeError("a sampler's bug")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_failing_sampler_is_logged_once_and_skipped(listener, caplog):
+    cfg = collectors.ProbeConfig.from_env(hub=listener.address, token=listener.token,
+                                          flush_interval_s=0.05, sample_interval_s=0.05)
+    probe = collectors.Probe(detect(), cfg, start_sender=False)
+    broken = _Broken()
+    probe.sender.samplers.insert(0, broken)
+    probe.sender.start()
+    with caplog.at_level("WARNING", logger="collectors"):
+        deadline = time.monotonic() + 20
+        while broken.calls < 5 or len(listener.records("hb").get(0, [])) < 5:
+            assert time.monotonic() < deadline, "the sender stopped sampling"
+            _train(probe, 5)
+        probe.close(1.0)
+    assert probe.sender.is_alive() is False and broken.closed
+    failures = [r for r in caplog.records if "broken sampling failed" in r.getMessage()]
+    assert len(failures) == 1, [r.getMessage() for r in caplog.records]
+    # the samplers after it ran every time: heartbeats and memory kept coming
+    assert len(listener.records("mem")[0]) >= 5
+    assert listener.records("steps")[0], "steps stopped flowing"

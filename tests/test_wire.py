@@ -134,3 +134,21 @@ def test_fuzz_corrupted_valid_frames(noise, pos):
     data[pos:pos + len(noise)] = noise
     with contextlib.suppress(wire.WireError):
         wire.FrameDecoder(max_bytes=1 << 16).feed(bytes(data))
+
+
+@pytest.mark.parametrize(("address", "expected"), [
+    ("127.0.0.1:9000", ("127.0.0.1", 9000)),
+    (" node-a:1 ", ("node-a", 1)),
+    ("[::1]:9000", ("::1", 9000)),
+    ("[fe80::1%eth0]:65535", ("fe80::1%eth0", 65535)),
+    ("::1:9000", ("::1", 9000)),  # unbracketed IPv6, as a hub bound to ::1 writes it
+])
+def test_parse_address(address, expected):
+    assert wire.parse_address(address) == expected
+
+
+@pytest.mark.parametrize("address", ["", "node", "node:", ":9000", "node:http", "node:-1",
+                                     "node:65536", "[::1]", "[::1:9000", "[a]b:1"])
+def test_parse_address_refuses_malformed_with_a_clear_error(address):
+    with pytest.raises(ValueError, match=r"is not host:port"):
+        wire.parse_address(address)

@@ -1,0 +1,374 @@
+"""The rank's connection to its hub: one non-blocking socket and its state machine.
+
+:class:`HubConnection` runs on the sender thread and never blocks it for long. It
+
+* connects when due (the hub found through :mod:`collectors.discovery`), sends the
+  hello and waits for the welcome (``DOWN`` → ``HELLO`` → ``UP``);
+* answers a ping with a pong at once, and on a refusal (an ``error`` frame), a lost
+  connection or a hello left unanswered closes the socket and retries with jittered
+  exponential backoff (a refusal waits the longest);
+* keeps batch frames in an outbox until they can be written, dropping the oldest
+  (and counting their records) beyond ``backlog_frames`` frames or
+  ``max_unsent_bytes`` bytes; writes them whole through partial writes; on a reconnect
+  sends again the frames not yet started (a frame cut mid-write is lost and counted);
+* on :meth:`finish`, sends what it can before a deadline, then a ``bye``.
+
+Control frames (``wire.KIND_CONTROL``, commands for the rank from the hub) arrive here:
+they are handed to the ``on_control`` callback when one is given, else ignored, as
+every other frame kind this collector does not know.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import logging
+import random
+import select
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from collectors import wire
+from collectors.config import ProbeConfig
+from collectors.discovery import HubAddress, resolve
+from collectors.identity import Identity
+from collectors.logonce import LogOnce
+
+log = logging.getLogger("collectors")
+
+RECV_BYTES = 65536
+#: Frames moved from the outbox to the socket's write queue at a time.
+WRITE_QUEUE_FRAMES = 8
+
+#: Called with each control frame from the hub (see :class:`HubConnection`).
+ControlHandler = Callable[[wire.Frame], None]
+#: Finds the hub: ``allow_spawn`` -> ``(host, port, token)`` or None (not found yet).
+Resolver = Callable[[bool], "HubAddress | None"]
+
+
+class ConnState(enum.Enum):
+    """Where the connection to the hub stands."""
+
+    DOWN = "down"  # no socket: waiting for the next connect attempt
+    HELLO = "hello"  # connected, hello sent, waiting for the welcome
+    UP = "up"  # welcomed: batches flow
+
+
+class HubConnection:
+    """One rank's connection to its hub (see the module doc). Sender thread only.
+
+    ``collector_info`` gives the ``collector`` part of each hello; ``on_connect`` is
+    called whenever a new socket is opened (before the welcome); ``on_control``, when
+    given, is called on the sender thread with every ``control`` frame: it must return
+    quickly, and an exception from it is logged once and otherwise ignored. ``resolve``
+    replaces discovery (tests); by default the configured hub, else a discovered one.
+    """
+
+    def __init__(
+        self,
+        config: ProbeConfig,
+        identity: Identity,
+        *,
+        collector_info: Callable[[], dict[str, Any]] = dict,
+        on_connect: Callable[[], None] | None = None,
+        on_control: ControlHandler | None = None,
+        resolve: Resolver | None = None,
+    ) -> None:
+        self._cfg = config
+        self._identity = identity
+        self._collector_info = collector_info
+        self._on_connect = on_connect
+        self.on_control = on_control
+        self._resolve = resolve
+        self._once = LogOnce()
+        self._sock: socket.socket | None = None
+        self.state = ConnState.DOWN
+        self._hello_deadline = 0.0
+        self._decoder = wire.FrameDecoder()
+        self._outbox: deque[tuple[bytes, int]] = deque()  # encoded frames not yet started
+        self._outbox_bytes = 0
+        self._writing: deque[list[Any]] = deque()  # [memoryview, records] being written
+        self._next_connect = 0.0
+        self._backoff = config.backoff_initial_s
+        self._finishing = False
+        #: The welcome's payload (the hub's clock and facts), once welcomed.
+        self.hub_info: dict[str, Any] = {}
+        # counters (monotonic; read from other threads without locking)
+        self.sent_records = 0
+        self.sent_frames = 0
+        self.dropped_unsent = 0
+        self.connects = 0
+        self.connect_failures = 0
+        self.refusals = 0
+
+    # ---- what the sender asks -----------------------------------------------------
+
+    @property
+    def socket(self) -> socket.socket | None:
+        """The socket while one is open (to wait on it with ``select``), else None."""
+        return self._sock
+
+    @property
+    def wants_write(self) -> bool:
+        """Whether a write is waiting for the socket to accept more bytes."""
+        return bool(self._writing) and self.state is ConnState.UP
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes of encoded frames not yet written: the outbox and the write queue."""
+        return self._outbox_bytes + sum(len(w[0]) for w in self._writing)
+
+    @property
+    def queued_frames(self) -> int:
+        """Batch frames in the outbox, not yet started."""
+        return len(self._outbox)
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this connection."""
+        return {
+            "sent_records": self.sent_records,
+            "sent_frames": self.sent_frames,
+            "dropped_unsent": self.dropped_unsent,
+            "connects": self.connects,
+            "connect_failures": self.connect_failures,
+            "refusals": self.refusals,
+            "connected": int(self.state is ConnState.UP),
+        }
+
+    def send(self, frame: bytes, records: int) -> None:
+        """Queue an encoded batch frame holding ``records`` records.
+
+        Beyond ``backlog_frames`` queued frames, or ``max_unsent_bytes`` bytes not yet
+        written, the oldest queued frames are dropped and their records counted.
+        """
+        self._outbox.append((frame, records))
+        self._outbox_bytes += len(frame)
+        max_frames, max_bytes = self._cfg.backlog_frames, self._cfg.max_unsent_bytes
+        while self._outbox and (len(self._outbox) > max_frames
+                                or self.unsent_bytes > max_bytes):
+            old, lost = self._outbox.popleft()
+            self._outbox_bytes -= len(old)
+            self.dropped_unsent += lost
+
+    def pump(self, now: float) -> None:
+        """Connect when due, read what the hub sent, write what is waiting."""
+        if self._sock is None:
+            if now < self._next_connect:
+                return
+            self._connect(now, self._cfg.connect_timeout_s)
+        self._service(now)
+
+    def finish(self, deadline: float, bye: Callable[[], dict[str, Any]]) -> None:
+        """Send what can be sent before ``deadline`` (monotonic), then ``bye()``'s frame.
+
+        One last connect attempt if there is no connection (an existing hub only: none
+        is started now). What is still unsent at the deadline is dropped and counted.
+        """
+        self._finishing = True
+        bye_queued = False
+        if self._sock is None and deadline > time.monotonic():
+            self._connect(time.monotonic(), min(self._cfg.connect_timeout_s,
+                                                deadline - time.monotonic()))
+        while self._sock is not None:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if self.state is ConnState.UP and not self._outbox and not self._writing:
+                if bye_queued:
+                    break
+                self._queue_control(wire.KIND_BYE, bye())
+                bye_queued = True
+            self._service(now)
+            if self._sock is None or (bye_queued and not self._writing):
+                break
+            select.select([self._sock], [self._sock] if self._writing else [], [],
+                          min(0.05, max(0.0, deadline - now)))
+        self.dropped_unsent += sum(n for _, n in self._outbox) + sum(w[1] for w in self._writing)
+        self._outbox.clear()
+        self._outbox_bytes = 0
+        self._writing.clear()
+
+    def close(self) -> None:
+        """Close the socket (frames not yet started stay queued)."""
+        self._close_socket()
+
+    # ---- connecting ---------------------------------------------------------------
+
+    def _find_hub(self) -> HubAddress | None:
+        """The hub to connect to. While finishing, only an existing hub is looked up."""
+        allow_spawn = not self._finishing
+        if self._resolve is not None:
+            return self._resolve(allow_spawn)
+        return resolve(self._identity, self._cfg.hub, self._cfg.token, allow_spawn=allow_spawn)
+
+    def _connect(self, now: float, timeout: float) -> None:
+        try:
+            target = self._find_hub()
+        except Exception as exc:
+            self._once("hub-addr", logging.WARNING, "rtop: no usable hub address: %s", exc)
+            target = None
+        if target is None:
+            self._next_connect = now + self._cfg.backoff_max_s
+            return
+        host, port, token = target
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            self.connect_failures += 1
+            self._once(
+                f"connect-{host}:{port}", logging.INFO,
+                "rtop: hub %s:%s not reachable (%s); training continues, retrying", host, port,
+                exc.strerror or exc,
+            )
+            self._schedule_retry(now)
+            return
+        sock.setblocking(False)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._decoder = wire.FrameDecoder()
+        self.state = ConnState.HELLO
+        self._hello_deadline = now + self._cfg.welcome_timeout_s
+        if self._on_connect is not None:
+            self._on_connect()
+        hello = {
+            "role": "rank",
+            "token": token or "",
+            "identity": self._identity.to_wire(),
+            "clock": {"t_wall": time.time(), "t_mono": time.monotonic()},
+            "collector": self._collector_info(),
+        }
+        self._writing.appendleft([memoryview(wire.encode(wire.KIND_HELLO, hello)), 0])
+
+    def _schedule_retry(self, now: float) -> None:
+        jitter = 0.8 + 0.4 * random.random()
+        self._next_connect = now + self._backoff * jitter
+        self._backoff = min(self._backoff * 2.0, self._cfg.backoff_max_s)
+
+    def _close_socket(self, requeue: bool = True) -> None:
+        sock, self._sock = self._sock, None
+        self.state = ConnState.DOWN
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+        # A frame cut mid-write is lost; frames not started go back to the outbox.
+        if self._writing:
+            head = self._writing.popleft()
+            total = len(head[0].obj)
+            if len(head[0]) < total or not requeue:
+                self.dropped_unsent += head[1]
+            else:
+                self._writing.appendleft(head)
+        while self._writing:
+            view, n = self._writing.pop()
+            if n and requeue:
+                self._outbox.appendleft((bytes(view), n))
+                self._outbox_bytes += len(view)
+            elif n:
+                self.dropped_unsent += n
+
+    def _lost(self, now: float, why: str) -> None:
+        self._once(f"lost-{why}", logging.INFO, "rtop: %s; training continues, retrying", why)
+        self._close_socket()
+        self._schedule_retry(now)
+
+    # ---- reading and writing ------------------------------------------------------
+
+    def _service(self, now: float) -> None:
+        if self._sock is None:
+            return
+        if self.state is ConnState.HELLO and now > self._hello_deadline:
+            self._once("welcome", logging.WARNING, "rtop: hub did not answer the hello; retrying")
+            self._close_socket()
+            self._schedule_retry(now)
+            return
+        if not self._read(now):
+            return
+        if self.state is ConnState.UP:
+            while self._outbox and len(self._writing) < WRITE_QUEUE_FRAMES:
+                frame, n = self._outbox.popleft()
+                self._outbox_bytes -= len(frame)
+                self._writing.append([memoryview(frame), n])
+        self._write(now)
+
+    def _read(self, now: float) -> bool:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            try:
+                data = sock.recv(RECV_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError as exc:
+                self._lost(now, f"connection error: {exc}")
+                return False
+            if not data:
+                self._lost(now, "hub closed the connection")
+                return False
+            try:
+                frames = self._decoder.feed(data)
+            except wire.WireError as exc:
+                self._lost(now, f"bad frame from hub: {exc}")
+                return False
+            for frame in frames:
+                self._on_frame(now, frame)
+                if self._sock is None:
+                    return False
+
+    def _on_frame(self, now: float, frame: wire.Frame) -> None:
+        if frame.kind == wire.KIND_WELCOME:
+            self.state = ConnState.UP
+            self.connects += 1
+            self._backoff = self._cfg.backoff_initial_s
+            self.hub_info.update(frame.payload)
+            log.debug("rtop: connected to hub")
+        elif frame.kind == wire.KIND_PING:
+            self._queue_control(wire.KIND_PONG, {
+                "t_hub": frame.payload.get("t_hub"),
+                "t_rank": time.time(),
+                "seq": frame.payload.get("seq"),
+            })
+        elif frame.kind == wire.KIND_ERROR:
+            self.refusals += 1
+            self._once(
+                f"refused-{frame.payload.get('code')}", logging.WARNING,
+                "rtop: hub refused this rank: %s", frame.payload.get("message", "no reason"),
+            )
+            self._close_socket()
+            self._backoff = self._cfg.backoff_max_s
+            self._schedule_retry(now)
+        elif frame.kind == wire.KIND_CONTROL and self.on_control is not None:
+            try:
+                self.on_control(frame)
+            except Exception as exc:  # a command handler's bug never drops the connection
+                self._once(f"control-{frame.payload.get('command')}", logging.WARNING,
+                           "rtop: a control frame failed: %r", exc)
+        # other kinds (and control frames without a handler) are ignored by this collector
+
+    def _queue_control(self, kind: str, payload: dict[str, Any]) -> None:
+        """Queue a protocol frame that carries no records (pong, bye) to be written."""
+        self._writing.append([memoryview(wire.encode(kind, payload)), 0])
+
+    def _write(self, now: float) -> None:
+        sock = self._sock
+        while sock is not None and self._writing:
+            head = self._writing[0]
+            try:
+                sent = sock.send(head[0])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    return
+                self._lost(now, f"send failed: {exc.strerror or exc}")
+                return
+            head[0] = head[0][sent:]
+            if len(head[0]) == 0:
+                self._writing.popleft()
+                if head[1]:
+                    self.sent_records += head[1]
+                    self.sent_frames += 1

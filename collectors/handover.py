@@ -1,0 +1,93 @@
+"""The two small objects a probe owns for the code that runs on its training thread.
+
+:class:`Activity` is what the training thread is doing now (its phase and since when,
+whether it is inside a step); the heartbeat sampler reads it from the sender thread.
+:class:`CommTiming` is how the watched model's collectives are timed and what the
+current step has collected so far; :mod:`collectors.commhook` and
+:mod:`collectors.ddptimer` write it, the probe's step timer takes the step's figures at
+step exit, and the sender reads the world size and byte count.
+
+Both are plain slotted objects: the training thread's hot path reads and writes their
+attributes directly (no method call, no lock: single attribute stores are atomic under
+the GIL, and the sender thread only reads).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class Activity:
+    """The training thread's current phase, for the heartbeat.
+
+    Written on the training thread only (``probe.iter``, ``probe.step``,
+    ``probe.checkpoint`` and the DDP hooks, which run on it during backward); read by
+    the sender thread.
+    """
+
+    __slots__ = ("depth", "phase", "since", "thread_id")
+
+    def __init__(self) -> None:
+        #: ``"idle"``, ``"data"``, ``"compute"``, ``"comm"``, ``"checkpoint"``, ...
+        self.phase = "idle"
+        #: ``time.perf_counter()`` when the phase began.
+        self.since = time.perf_counter()
+        #: How many ``probe.step()`` contexts are open (nesting is allowed).
+        self.depth = 0
+        #: The training thread's ident, once known (whose stack a long phase sends).
+        self.thread_id: int | None = None
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the training thread is inside ``probe.step()``."""
+        return self.depth > 0
+
+    def enter(self, phase: str, t: float) -> None:
+        """The training thread starts ``phase`` at ``t`` (``time.perf_counter()``)."""
+        self.phase = phase
+        self.since = t
+
+
+class CommTiming:
+    """How the watched model's collectives are timed, and this step's figures so far.
+
+    Exactly one of two ways, chosen by ``probe.watch``: rtop's comm hook
+    (:meth:`use_hook`: ``buckets`` collects ``[launch, done, nbytes]`` entries during
+    the step) or DDP's own timer (:meth:`use_ddp_timer`: ``ddp_logger`` is read at step
+    exit). Neither: collectives are not timed, and the step says so (``None``).
+    """
+
+    __slots__ = ("buckets", "ddp_iteration", "ddp_logger", "ddp_model", "nbytes", "world")
+
+    def __init__(self) -> None:
+        #: This step's bucket entries while the comm hook times the allreduce, else None.
+        self.buckets: list[Any] | None = None
+        #: Ranks taking part in the collective (for bus bandwidth).
+        self.world = 1
+        #: Bytes one allreduce of DDP's timer moves (the gradients); the hook counts its own.
+        self.nbytes = 0
+        #: DDP's logger when its own timer times the allreduce, else None.
+        self.ddp_logger: Any = None
+        #: The last DDP iteration whose stamps were read (each step is read once).
+        self.ddp_iteration: int | None = None
+        #: A weak reference to the DDP model timed by its own timer, until released.
+        self.ddp_model: Any = None
+
+    @property
+    def measured(self) -> bool:
+        """Whether the collectives are timed at all."""
+        return self.buckets is not None or self.ddp_logger is not None
+
+    def use_hook(self, world: int) -> None:
+        """rtop's comm hook times each bucket from now on (``collectors.commhook``)."""
+        self.world = world
+        self.buckets = []
+
+    def use_ddp_timer(self, logger: Any, world: int, nbytes: int, model_ref: Any) -> None:
+        """DDP's own timer times the allreduce from now on (``collectors.ddptimer``)."""
+        self.world = world
+        self.nbytes = nbytes
+        self.ddp_iteration = None
+        self.ddp_logger = logger
+        self.ddp_model = model_ref
