@@ -379,13 +379,14 @@ async def render_bench(snaps: list[dict[str, Any]], n: int) -> dict[str, Any]:
         res["handler"], res["handler_cpu"], res["after_handler"] = await handler_alone(
             app, probe, snaps, max(5, n // 3))
         enc0 = len(probe.encode_s)
-        res["sort_key"] = await action_to_frame(app, probe, lambda: app.action_sort(1),
+        overview = app.overview
+        res["sort_key"] = await action_to_frame(app, probe, lambda: overview.action_sort(1),
                                                 max(13, n))
-        while app.sort_key != "step ms":
-            app.action_sort(1)
+        while overview.sort_key != "step ms":
+            overview.action_sort(1)
         res["sorted"], res["sorted_cpu"], res["sorted_fps"] = await snapshot_to_frame(
             app, probe, snaps, n)
-        res["group_key"] = await action_to_frame(app, probe, app.action_group, 1)
+        res["group_key"] = await action_to_frame(app, probe, overview.action_group, 1)
         res["grouped"], res["grouped_cpu"], res["grouped_fps"] = await snapshot_to_frame(
             app, probe, snaps, n, check="node-0")
         res["grouped_rows"] = len(view.rows)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rtop import __version__
+from rtop.fmt import fixed
 from rtop.run.snapshot import Snapshot
 
 
@@ -306,10 +307,6 @@ def cmd_list() -> int:
 def format_snapshot(snap: Snapshot) -> str:
     """A plain-text table of a snapshot's ranks."""
     run, cols = snap["run"], snap["ranks"]
-
-    def f(v: Any, scale: float = 1.0, d: int = 1) -> str:
-        return "n/a" if v is None else f"{v * scale:.{d}f}"
-
     lines = [f"job {run.get('job') or '(unnamed)'}  attempt {run.get('attempt')}  "
              f"world {run.get('world_size')}  ranks seen {run.get('ranks_seen')}  "
              f"up {run.get('uptime_s', 0):.0f} s  at {time.strftime('%H:%M:%S')}"]
@@ -321,10 +318,11 @@ def format_snapshot(snap: Snapshot) -> str:
     for i, rank in enumerate(cols.get("rank", [])):
         lines.append(
             f"{rank:>4} {cols['node'][i][:14]:<14} {cols['status'][i]:<8} "
-            f"{cols['step'][i]:>6} {f(cols['step_s'][i], 1e3):>8} "
-            f"{f(cols['data_wait_s'][i], 1e3):>8} {f(cols['compute_s'][i], 1e3):>8} "
-            f"{f(cols['comm_s'][i], 1e3):>8} {f(cols['busbw_Bps'][i], 1e-9, 3):>10} "
-            f"{f(cols['gpu_util_pct'][i], 1, 0):>6}")
+            f"{fixed(cols['step'][i] if cols['step'][i] >= 0 else None, digits=0):>6} "
+            f"{fixed(cols['step_s'][i], 1e3):>8} "
+            f"{fixed(cols['data_wait_s'][i], 1e3):>8} {fixed(cols['compute_s'][i], 1e3):>8} "
+            f"{fixed(cols['comm_s'][i], 1e3):>8} {fixed(cols['busbw_Bps'][i], 1e-9, 3):>10} "
+            f"{fixed(cols['gpu_util_pct'][i], 1, 0):>6}")
     return "\n".join(lines)
 
 

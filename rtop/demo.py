@@ -23,13 +23,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rtop.hub.service import ThreadedHub
 from rtop.run.snapshot import FindingDict, Snapshot
+from rtop.tui.logs import logs_to_file
 from rtop.workload import Faults, WorkloadSpec
 
 #: Healthy steps before the fault starts on rank 1.
@@ -134,35 +134,6 @@ def _quiet_ray() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     for name in _RAY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-
-
-@contextlib.contextmanager
-def logs_to_file(path: str | Path) -> Iterator[None]:
-    """Send every log record (and Python warnings) that would reach the terminal to
-    ``path`` instead, while a full-screen view owns the terminal. The file is only
-    created if something is logged."""
-    handler = logging.FileHandler(path, delay=True)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    root = logging.getLogger()
-    loggers = [root] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                        if isinstance(lg, logging.Logger)]
-    swapped: list[tuple[logging.Logger, list[logging.Handler]]] = []
-    for lg in loggers:
-        to_terminal = [h for h in lg.handlers if isinstance(h, logging.StreamHandler)
-                       and not isinstance(h, logging.FileHandler)]
-        if to_terminal or lg is root:
-            swapped.append((lg, list(lg.handlers)))
-            lg.handlers = [h for h in lg.handlers if h not in to_terminal]
-            if lg is root or not lg.propagate:
-                lg.handlers.append(handler)
-    logging.captureWarnings(True)
-    try:
-        yield
-    finally:
-        logging.captureWarnings(False)
-        for lg, handlers in swapped:
-            lg.handlers = handlers
-        handler.close()
 
 
 class DemoJob:

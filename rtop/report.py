@@ -9,7 +9,6 @@ a recording still being written: it reads up to the last whole frame.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from array import array
 from collections import defaultdict
@@ -19,6 +18,7 @@ from typing import Any
 from collectors import wire
 from collectors.schema import GPU_FIELDS, MEM_FIELDS, STEP_FIELDS
 from rtop.analysis import AnalysisConfig, Monitor
+from rtop.fmt import fixed
 from rtop.run.recording import ReadResult, replay
 from rtop.run.state import RankState, RunState
 
@@ -173,12 +173,6 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None
     }
 
 
-def _fmt(v: Any, scale: float = 1.0, digits: int = 1) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    return f"{v * scale:.{digits}f}"
-
-
 def _job_label(run: dict[str, Any]) -> str:
     """The job's name, with its own id beside it when the two differ (as in the UI)."""
     name, job_id = run.get("name") or "", run.get("job") or ""
@@ -218,11 +212,11 @@ def format_text(report: dict[str, Any]) -> str:
     for r in report["ranks"]:
         out.append(
             f"{r['rank']:>4} {r['node'][:14]:<14} {r['steps']:>6} "
-            f"{_fmt(r['step_s'], 1e3):>8} {_fmt(r['data_wait_s'], 1e3):>8} "
-            f"{_fmt(r['compute_s'], 1e3):>8} {_fmt(r['comm_s'], 1e3):>8} "
-            f"{_fmt(r['comm_exposed_s'], 1e3):>7} {_fmt(r['comm_bytes'], 1e-6, 2):>8} "
-            f"{_fmt(r['busbw_Bps'], 1e-9, 3):>10} {_fmt(r['gpu_util_pct'], 1, 0):>6} "
-            f"{_fmt(r['peak_bytes'], 1e-9, 2):>8} {_fmt(r['headroom_bytes'], 1e-9, 2):>8} "
+            f"{fixed(r['step_s'], 1e3):>8} {fixed(r['data_wait_s'], 1e3):>8} "
+            f"{fixed(r['compute_s'], 1e3):>8} {fixed(r['comm_s'], 1e3):>8} "
+            f"{fixed(r['comm_exposed_s'], 1e3):>7} {fixed(r['comm_bytes'], 1e-6, 2):>8} "
+            f"{fixed(r['busbw_Bps'], 1e-9, 3):>10} {fixed(r['gpu_util_pct'], 1, 0):>6} "
+            f"{fixed(r['peak_bytes'], 1e-9, 2):>8} {fixed(r['headroom_bytes'], 1e-9, 2):>8} "
             f"{r['status']:>8}")
     return "\n".join(out)
 

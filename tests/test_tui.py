@@ -9,11 +9,16 @@ from pathlib import Path
 import pytest
 
 from collectors import wire
+from rtop.fmt import NA
 from rtop.hub.service import ThreadedHub
 from rtop.tui.app import RtopApp, make_app, parse_goto
+from rtop.tui.columns import COLUMNS
 from rtop.tui.detail import RankScreen
 from rtop.tui.findings import FindingDetail, FindingsList
+from rtop.tui.logs import logs_to_file
 from rtop.tui.model import NodeRow, RankRow
+from rtop.tui.overview import OverviewScreen
+from rtop.tui.protocols import RankDetailView, SnapshotView
 from rtop.tui.ranks import RanksView, fit_columns
 from rtop.tui.source import LiveSource, ReplaySource, StaticSource
 from rtop.tui.views import FabricScreen, HelpScreen, ScalingScreen
@@ -63,10 +68,10 @@ async def test_selecting_a_finding_shows_evidence_and_highlights_its_ranks():
         assert not detail.has_class("hidden")
         text = str(detail.render())
         assert "Fix:" in text and "num_workers" in text and "data_wait_s" in text
-        assert app.highlight == {1}
+        assert app.overview.highlight == {1}
         assert [r.rank for r in rows(app) if r.highlighted] == [1]
         await pilot.press("escape")
-        assert app.highlight == set() and detail.has_class("hidden")
+        assert app.overview.highlight == set() and detail.has_class("hidden")
 
 
 async def test_sorting_by_columns_and_reversing():
@@ -74,17 +79,17 @@ async def test_sorting_by_columns_and_reversing():
     async with app.run_test(size=(120, 32)) as pilot:
         await until(pilot, lambda: app.snapshots_seen > 0)
         await pilot.press("s")  # worst -> rank
-        assert app.sort_key == "rank"
+        assert app.overview.sort_key == "rank"
         assert [r.rank for r in rows(app)] == [0, 1, 2]
         await pilot.press("r")
         assert [r.rank for r in rows(app)] == [2, 1, 0]
         for _ in range(4):  # rank -> node -> status -> step -> step ms
             await pilot.press("s")
-        assert app.sort_key == "step ms"
+        assert app.overview.sort_key == "step ms"
         steps = [r.step_s for r in rows(app)]
         assert steps == sorted(steps, reverse=True)
         await pilot.press("w")
-        assert app.sort_key == "worst" and rows(app)[0].rank == 1
+        assert app.overview.sort_key == "worst" and rows(app)[0].rank == 1
 
 
 async def test_opening_a_rank_and_moving_between_ranks():
@@ -133,9 +138,9 @@ async def test_filter_group_and_fold():
         await pilot.press("slash", "0", "-", "1")
         assert sorted(r.rank for r in rows(app)) == [0, 1]
         await pilot.press("enter")
-        assert app.filter_text == "0-1"
+        assert app.overview.filter_text == "0-1"
         await pilot.press("escape")  # clears the filter
-        assert app.filter_text == "" and len(rows(app)) == 3
+        assert app.overview.filter_text == "" and len(rows(app)) == 3
         await pilot.press("slash", *"starved", "enter")
         assert [r.rank for r in rows(app)] == [1]
         await pilot.press("escape", "g")
@@ -270,3 +275,43 @@ async def test_a_thousand_ranks_fold_by_node():
         await pilot.press("g")
         assert len(rows(app)) == 128 and all(r.folded for r in rows(app))
         assert rows(app)[0].node == "node-009" and rows(app)[0].badge == "STRAGGLER"
+
+
+def test_every_column_draws_a_missing_figure_as_na_within_its_width():
+    blank = RankRow(7, "node-a", "active", "", None, *([None] * 14), None)
+    node = NodeRow("node-a", 8, 8, None, None, None, None, "", True)
+    for col in COLUMNS:
+        for row in (blank, node):
+            text = "".join(seg.text for seg in col.draw(row))
+            assert len(text) == col.width + 1, (col.title, text)
+        if col.title not in ("rank", "node", "status"):
+            assert NA in "".join(seg.text for seg in col.draw(blank)), col.title
+    assert len(NA) <= min(c.width for c in COLUMNS)
+
+
+def test_screens_say_what_they_show():
+    for screen in (OverviewScreen(), RankScreen(0, [0]), FabricScreen(), ScalingScreen()):
+        assert isinstance(screen, SnapshotView), screen
+    assert isinstance(RankScreen(0, [0]), RankDetailView)
+    assert not isinstance(HelpScreen(), SnapshotView)
+
+
+def test_replay_speed_and_pause_wake_the_player():
+    src = ReplaySource(FIXTURES / "starved.rtop")
+    assert src.speed == 1.0 and not src.paused
+    src.wake.clear()
+    assert src.toggle_pause() and src.paused and src.wake.is_set()
+    assert src.faster(2) == 4.0 and src.faster(-10) == 0.25 and src.faster(100) == 64.0
+    src.set_speed(3.0)
+    assert src.faster(1) == 4.0  # from the nearest step
+
+
+def test_a_view_inside_another_keeps_the_outer_log_file(tmp_path):
+    import logging
+
+    log = logging.getLogger("rtop.test_tui")
+    with logs_to_file(tmp_path / "outer.log") as outer:
+        with logs_to_file() as inner:
+            log.warning("inside both")
+        assert inner == outer == tmp_path / "outer.log"
+    assert "inside both" in (tmp_path / "outer.log").read_text()

@@ -2,33 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
-
-@contextlib.contextmanager
-def quiet_logging() -> Iterator[Path | None]:
-    """While the UI owns the terminal, log lines go to a file, not across the screen
-    (a hub or Ray in this process would otherwise scribble over it)."""
-    from collectors.discovery import runtime_dir
-
-    root = logging.getLogger()
-    saved = root.handlers[:]
-    path: Path | None
-    try:
-        path = runtime_dir() / "rtop-ui.log"
-        handler: logging.Handler = logging.FileHandler(path)
-    except OSError:
-        path, handler = None, logging.NullHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
-    root.handlers = [handler]
-    try:
-        yield path
-    finally:
-        root.handlers = saved
-        handler.close()
+from rtop.tui.logs import logs_to_file
 
 
 def attach(address: str, token: str | None, *, title: str | None = None,
@@ -40,7 +16,7 @@ def attach(address: str, token: str | None, *, title: str | None = None,
     source = LiveSource(address, token, rate_hz)
     if title:
         source.title = title
-    with quiet_logging():
+    with logs_to_file():
         make_app(source).run()
     return 0
 
@@ -50,6 +26,6 @@ def replay(path: str | Path, *, speed: float = 1.0, paused: bool = False) -> int
     from rtop.tui.app import make_app
     from rtop.tui.source import ReplaySource
 
-    with quiet_logging():
+    with logs_to_file():
         make_app(ReplaySource(path, speed=speed, paused=paused)).run()
     return 0

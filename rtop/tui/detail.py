@@ -4,47 +4,43 @@ its stack when it is stuck, its checkpoints."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, VerticalScroll
+from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Sparkline, Static
 
-from rtop.run.snapshot import RankDetail
-from rtop.tui.model import (
-    fmt_bytes,
-    fmt_ms,
-    fmt_pct,
-    growth_forecast,
-    memory_split,
-    num,
-    rank_rows,
-)
+from rtop.fmt import NA, fixed, fmt_bytes, fmt_ms, fmt_pct, num
+from rtop.run.snapshot import Column, RankDetail, Snapshot
+from rtop.tui.model import growth_forecast, memory_split, rank_rows
 
-#: (title, source, field, how to print a value)
-SERIES = (
+#: (title, history, field, how to print a value): the rank's recent "steps" or "samples"
+SERIES: tuple[tuple[str, str, str, Callable[[float], str]], ...] = (
     ("step ms", "steps", "step_s", fmt_ms),
     ("data ms", "steps", "data_wait_s", fmt_ms),
     ("compute ms", "steps", "compute_s", fmt_ms),
     ("allreduce", "steps", "comm_s", fmt_ms),
-    ("GPU util", "samples", "gpu_util_pct", lambda v: fmt_pct(v)),
-    ("power W", "samples", "gpu_power_w", lambda v: "–" if num(v) is None else f"{v:.0f}"),
-    ("clock MHz", "samples", "gpu_sm_clock_mhz",
-     lambda v: "–" if num(v) is None else f"{v:.0f}"),
-    ("host CPU", "samples", "host_proc_cpu_pct", lambda v: fmt_pct(v)),
+    ("GPU util", "samples", "gpu_util_pct", fmt_pct),
+    ("power W", "samples", "gpu_power_w", lambda v: fixed(v, digits=0)),
+    ("clock MHz", "samples", "gpu_sm_clock_mhz", lambda v: fixed(v, digits=0)),
+    ("host CPU", "samples", "host_proc_cpu_pct", fmt_pct),
     ("memory", "samples", "mem_used_bytes", fmt_bytes),
 )
 
 
-def fmt_phase(seconds: Any) -> str:
+def fmt_phase(seconds: object) -> str:
     """How long a phase has lasted: ms under a second, else seconds."""
     v = num(seconds)
     if v is None:
-        return "–"
+        return NA
     return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.1f} s"
+
+
 MEM_PARTS = (("parameters", "█", "cyan"), ("gradients", "▓", "blue"),
              ("optimizer", "▒", "magenta"), ("activations+other", "░", "yellow"),
              ("free", "·", "green"))
@@ -85,9 +81,9 @@ class Series(Horizontal):
         yield Static(self.title)
         yield Sparkline([])
 
-    def show(self, values: list[Any], fmt: Any) -> None:
+    def show(self, values: Column, fmt: Callable[[float], str]) -> None:
         """Redraw with these values (None gaps dropped)."""
-        vals = [float(v) for v in values if num(v) is not None][-240:]
+        vals = [v for v in (num(x) for x in values) if v is not None][-240:]
         label = Text(f"{self.title:<11}", "bold")
         if vals:
             label.append(f"{fmt(vals[-1]):>9} now {fmt(statistics.median(vals)):>9} median")
@@ -100,7 +96,8 @@ class Series(Horizontal):
 
 
 class RankScreen(Screen[None]):
-    """Everything about one rank."""
+    """Everything about one rank (a :class:`~rtop.tui.protocols.SnapshotView` and a
+    :class:`~rtop.tui.protocols.RankDetailView`)."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape,q", "back", "back"),
@@ -114,11 +111,18 @@ class RankScreen(Screen[None]):
         margin-top: 1; }
     """
 
+    class Switched(Message):
+        """The screen moved to another rank: its detail is wanted now."""
+
+        def __init__(self, rank: int) -> None:
+            super().__init__()
+            self.rank = rank
+
     def __init__(self, rank: int, ranks: list[int]) -> None:
         super().__init__()
         self.rank, self.ranks = rank, ranks
-        self.snapshot: dict[str, Any] | None = None
-        self._pending: dict[str, Any] | None = None
+        self.snapshot: Snapshot | None = None
+        self._pending: RankDetail | None = None
 
     def on_mount(self) -> None:
         """Draw a detail that arrived before the widgets existed."""
@@ -137,26 +141,28 @@ class RankScreen(Screen[None]):
             yield Static("", id="events")
         yield Footer()
 
-    def show_snapshot(self, snap: dict[str, Any]) -> None:
+    def show_snapshot(self, snap: Snapshot) -> None:
         """Keep the list of ranks (for previous/next) and the rank's badge fresh."""
         self.snapshot = snap
-        self.ranks = list((snap.get("ranks") or {}).get("rank") or self.ranks)
+        self.ranks = list(snap["ranks"]["rank"] or self.ranks)
 
-    def show_detail(self, d: RankDetail) -> None:
+    def show_detail(self, detail: RankDetail) -> None:
         """Redraw from the rank's detail."""
-        if d.get("rank") != self.rank:
+        d = detail
+        if d["rank"] != self.rank:
             return
         if not self.query("#title"):  # not composed yet: draw once mounted
             self._pending = d
             return
         title = Text(no_wrap=True, overflow="ellipsis")
         title.append(f"rank {self.rank}", "bold cyan")
-        if not d.get("found"):
+        if not d["found"]:
             title.append("  not in the current attempt", "yellow")
             self.query_one("#title", Static).update(title)
             return
         ident = d.get("identity") or {}
-        row = next((r for r in rank_rows(self.snapshot or {}) if r.rank == self.rank), None)
+        rows = rank_rows(self.snapshot) if self.snapshot is not None else []
+        row = next((r for r in rows if r.rank == self.rank), None)
         badge = row.badge if row else ""
         title.append(f"  node {ident.get('hostname') or '?'} ({ident.get('ip') or '?'})"
                      f"  pid {ident.get('pid', '?')}  local rank {ident.get('local_rank', '?')}"
@@ -167,8 +173,9 @@ class RankScreen(Screen[None]):
         if isinstance(hb, (list, tuple)) and len(hb) >= 3 and hb[1]:
             title.append(f"\nnow: {hb[1]} for {fmt_phase(hb[2])}")
         self.query_one("#title", Static).update(title)
+        history = {"steps": d.get("steps") or {}, "samples": d.get("samples") or {}}
         for widget, (_, src, fld, fmt) in zip(self.query(Series), SERIES, strict=True):
-            widget.show((d.get(src) or {}).get(fld) or [], fmt)
+            widget.show(history[src].get(fld) or [], fmt)
         mem = Text()
         split = memory_split(d)
         if split:
@@ -215,9 +222,9 @@ class RankScreen(Screen[None]):
         self.dismiss(None)
 
     def _wall_evidence(self) -> dict[str, Any] | None:
-        for f in (self.snapshot or {}).get("findings") or []:
-            if f.get("kind") == "memory_wall":
-                ev = (f.get("evidence") or {}).get("ranks") or {}
+        for f in self.snapshot["findings"] if self.snapshot is not None else []:
+            if f["kind"] == "memory_wall":
+                ev = f["evidence"].get("ranks") or {}
                 got = ev.get(str(self.rank))
                 return got if isinstance(got, dict) else None
         return None
@@ -230,4 +237,4 @@ class RankScreen(Screen[None]):
         i = ranks.index(self.rank) if self.rank in ranks else 0
         self.rank = ranks[(i + delta) % len(ranks)]
         self.query_one("#title", Static).update(f"rank {self.rank} …")
-        self.app.follow(self.rank)  # type: ignore[attr-defined]
+        self.post_message(self.Switched(self.rank))

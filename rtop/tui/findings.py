@@ -3,26 +3,30 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from rich.text import Text
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
+from rtop.fmt import NA
+from rtop.run.snapshot import FindingDict
+
 SEVERITY_STYLE = {"critical": ("‼", "bold white on red"), "warning": ("!", "bold yellow"),
                   "info": ("i", "cyan")}
 
 
-def finding_line(f: dict[str, Any]) -> Text:
+def finding_line(f: FindingDict) -> Text:
     """``! straggler [1]  Rank 1 computes 2.1× …`` as one line."""
-    glyph, style = SEVERITY_STYLE.get(f.get("severity", "info"), ("?", ""))
-    ranks = f.get("ranks") or []
+    glyph, style = SEVERITY_STYLE.get(f["severity"], ("?", ""))
+    ranks = f["ranks"]
     shown = ",".join(str(r) for r in ranks[:6]) + ("…" if len(ranks) > 6 else "")
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(f" {glyph} ", style)
-    text.append(f" {f.get('kind', '?')}", "bold")
+    text.append(f" {f['kind']}", "bold")
     text.append(f" [{shown}] ", "dim")
-    text.append(str(f.get("summary", "")))
+    text.append(f["summary"])
     return text
 
 
@@ -35,35 +39,38 @@ class FindingsList(OptionList):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.findings: list[dict[str, Any]] = []
+        self.findings: Sequence[FindingDict] = []
 
-    def show(self, findings: list[dict[str, Any]]) -> None:
+    def show(self, findings: Sequence[FindingDict]) -> None:
         """Replace the list, keeping the highlighted finding if it is still there."""
-        keys = [(f.get("kind"), tuple(f.get("ranks") or [])) for f in findings]
-        old = [(f.get("kind"), tuple(f.get("ranks") or [])) for f in self.findings]
+        keys = [(f["kind"], tuple(f["ranks"])) for f in findings]
+        old = [(f["kind"], tuple(f["ranks"])) for f in self.findings]
         if keys == old:
             self.findings = findings
             return
         was = self.highlighted
-        kind = self.findings[was].get("kind") if was is not None and \
+        kind = self.findings[was]["kind"] if was is not None and \
             was < len(self.findings) else None
         self.findings = findings
         self.clear_options()
         self.add_options([Option(finding_line(f), id=f"{i}") for i, f in enumerate(findings)])
         if kind is not None:
             for i, f in enumerate(findings):
-                if f.get("kind") == kind:
+                if f["kind"] == kind:
                     self.highlighted = i
                     break
 
     @property
-    def selected(self) -> dict[str, Any] | None:
+    def selected(self) -> FindingDict | None:
         """The highlighted finding."""
         i = self.highlighted
         return self.findings[i] if i is not None and 0 <= i < len(self.findings) else None
 
 
 def _value(k: str, v: Any) -> str:
+    """One evidence figure as people read it (the unit from its name)."""
+    if v is None:
+        return NA
     if isinstance(v, float):
         if k.endswith("_Bps"):
             return f"{v / 1e9:.3g} GB/s"
@@ -83,16 +90,15 @@ def _value(k: str, v: Any) -> str:
     return json.dumps(v, default=str) if not isinstance(v, str) else v
 
 
-def evidence_text(f: dict[str, Any]) -> Text:
+def evidence_text(f: FindingDict) -> Text:
     """Summary, evidence (one line per figure; per-rank figures one line per rank) and
     the usual fix."""
     text = Text()
-    glyph, style = SEVERITY_STYLE.get(f.get("severity", "info"), ("?", ""))
-    text.append(f" {glyph} {f.get('kind')} ", style)
-    text.append(f"  ranks {', '.join(str(r) for r in (f.get('ranks') or [])[:32])}\n", "bold")
-    text.append(str(f.get("summary", "")) + "\n")
-    ev = f.get("evidence") or {}
-    for k, v in ev.items():
+    glyph, style = SEVERITY_STYLE.get(f["severity"], ("?", ""))
+    text.append(f" {glyph} {f['kind']} ", style)
+    text.append(f"  ranks {', '.join(str(r) for r in f['ranks'][:32])}\n", "bold")
+    text.append(f["summary"] + "\n")
+    for k, v in f["evidence"].items():
         if k == "ranks" and isinstance(v, dict):
             for r, figures in list(v.items())[:8]:
                 text.append(f"  rank {r}: ", "bold")
@@ -102,9 +108,9 @@ def evidence_text(f: dict[str, Any]) -> Text:
             continue
         text.append(f"  {k}: ", "bold")
         text.append(_value(k, v) + "\n", "dim")
-    if f.get("fix"):
+    if f["fix"]:
         text.append("Fix: ", "bold green")
-        text.append(str(f["fix"]))
+        text.append(f["fix"])
     return text
 
 

@@ -7,8 +7,9 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import Static
 
+from rtop.fmt import NA, fmt_duration, fmt_pct
 from rtop.run.snapshot import Snapshot
-from rtop.tui.model import fmt_duration, fmt_pct, job_figures
+from rtop.tui.model import job_figures
 
 
 class JobHeader(Static):
@@ -37,11 +38,11 @@ class JobHeader(Static):
         if j.job_id:
             line1.append(f" ({j.job_id[:24]})", "dim")
         rp = snap.get("replay")
-        if rp:
-            state = "paused" if rp.get("paused") else ("end of recording" if rp.get("finished")
-                                                       else f"playing {rp.get('speed', 1):g}×")
-            line1.append(f"  replay {fmt_duration(rp.get('position_s'))}"
-                         f"/{fmt_duration(rp.get('duration_s'))} {state}", "bold yellow")
+        if rp is not None:
+            state = "paused" if rp["paused"] else ("end of recording" if rp["finished"]
+                                                   else f"playing {rp['speed']:g}×")
+            line1.append(f"  replay {fmt_duration(rp['position_s'])}"
+                         f"/{fmt_duration(rp['duration_s'])} {state}", "bold yellow")
         if self.source_text:
             line1.append(f"  {self.source_text}", "bold red" if self.source_error else "dim")
         line2 = Text(no_wrap=True, overflow="ellipsis")
@@ -56,7 +57,7 @@ class JobHeader(Static):
         eff_style = "" if j.efficiency is None or j.efficiency >= 0.6 else "bold yellow"
         line2.append(" · efficiency ")
         line2.append(fmt_pct(j.efficiency, 100), eff_style)
-        line2.append(" · " + (f"{j.steps_per_s:.2f} steps/s" if j.steps_per_s else "– steps/s"))
+        line2.append(f" · {f'{j.steps_per_s:.2f}' if j.steps_per_s else NA} steps/s")
         if j.samples_per_s:
             line2.append(f" · {j.samples_per_s:,.0f} samples/s")
         line2.append(f" · up {fmt_duration(j.uptime_s)}")

@@ -29,7 +29,7 @@ class DetailReceived(Message):
     def can_replace(self, message: Message) -> bool:
         """Only the newest detail of the same rank matters."""
         return isinstance(message, DetailReceived) and \
-            message.detail.get("rank") == self.detail.get("rank")
+            message.detail["rank"] == self.detail["rank"]
 
 
 class SourceStatus(Message):

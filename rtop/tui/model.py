@@ -1,80 +1,26 @@
 """What the screens show, computed from a snapshot: plain functions, no widgets.
 
 A snapshot is columnar (``snap["ranks"][field][i]``); here it becomes rows with their
-badges (from the findings), sort keys and the job-level figures of the header. Missing
-values stay ``None`` and print as ``N/A``-style dashes, never as zero.
+badges (from the findings, as :mod:`rtop.analysis.kinds` names them), sort keys and the
+job-level figures of the header. Missing values stay ``None`` (they print as
+:data:`rtop.fmt.NA`), never zero.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Finding kind -> the badge its ranks wear, most serious first.
-BADGES: dict[str, str] = {
-    "hung_rank": "HUNG", "lost_rank": "LOST", "memory_wall": "MEMWALL",
-    "starved_rank": "STARVED", "straggler": "STRAGGLER", "gpu_throttled": "THROTTLED",
-}
-_BADGE_WEIGHT = {b: len(BADGES) - i for i, b in enumerate(BADGES.values())}
+from rtop.analysis.kinds import BADGE_WEIGHT, KINDS
+from rtop.fmt import num
+from rtop.run.snapshot import FindingDict, RankDetail, Snapshot
+
 #: Statuses that are not a finding's badge but still worth a word.
-STATUS_BADGES = {"lost": "LOST", "failed": "FAILED", "exited": "EXITED",
-                 "finished": "done", "ended": "ended"}
-
-NA = "–"
-
-
-def num(x: Any) -> float | None:
-    """A number or None (NaN, missing and non-numbers are None)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return None if x != x else float(x)
-
-
-def fmt_ms(x: Any, width: int = 0) -> str:
-    """Seconds as milliseconds, 3 significant figures."""
-    v = num(x)
-    if v is None:
-        return NA
-    ms = v * 1e3
-    s = f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.2f}"
-    return s.rjust(width) if width else s
-
-
-def fmt_bytes(x: Any) -> str:
-    """Bytes with a binary-ish unit people read at a glance (GB, MB)."""
-    v = num(x)
-    if v is None:
-        return NA
-    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(v) >= div:
-            return f"{v / div:.3g} {unit}"
-    return f"{v:.0f} B"
-
-
-def fmt_rate(x: Any) -> str:
-    """Bytes per second as GB/s (or MB/s when small)."""
-    v = num(x)
-    if v is None:
-        return NA
-    return f"{v / 1e9:.3g} GB/s" if v >= 1e9 else f"{v / 1e6:.3g} MB/s"
-
-
-def fmt_pct(x: Any, scale: float = 1.0) -> str:
-    """A percentage (``scale`` 100 for a fraction)."""
-    v = num(x)
-    return NA if v is None else f"{v * scale:.0f}%"
-
-
-def fmt_duration(seconds: Any) -> str:
-    """h:mm:ss or m:ss."""
-    v = num(seconds)
-    if v is None:
-        return NA
-    s = int(v)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else \
-        f"{s // 60}:{s % 60:02d}"
+STATUS_BADGES: dict[str, str] = {"lost": "LOST", "failed": "FAILED", "exited": "EXITED",
+                                 "finished": "done", "ended": "ended"}
 
 
 @dataclass
@@ -85,7 +31,7 @@ class RankRow:
     node: str
     status: str
     badge: str  # "" when nothing is wrong
-    step: int | None
+    step: int | None  # the last step reported (None before the first)
     step_s: float | None
     data_s: float | None
     compute_s: float | None
@@ -106,7 +52,7 @@ class RankRow:
     @property
     def severity(self) -> int:
         """How bad this rank looks: badge first, then status."""
-        return _BADGE_WEIGHT.get(self.badge, 0) * 10 + (
+        return BADGE_WEIGHT.get(self.badge, 0) * 10 + (
             5 if self.status in ("lost", "failed") else 0)
 
 
@@ -126,54 +72,48 @@ class NodeRow:
     members: list[RankRow] = field(default_factory=list)
 
 
-def badges_of(findings: list[dict[str, Any]]) -> dict[int, str]:
+def badges_of(findings: Sequence[FindingDict]) -> dict[int, str]:
     """Rank -> the most serious badge any finding gives it."""
     out: dict[int, str] = {}
     for f in findings:
-        badge = BADGES.get(f.get("kind", ""))
-        if badge is None:
+        kind = KINDS.get(f["kind"])
+        badge = kind.badge if kind is not None else ""
+        if not badge:
             continue
-        for r in f.get("ranks") or []:
-            if r not in out or _BADGE_WEIGHT[badge] > _BADGE_WEIGHT[out[r]]:
+        for r in f["ranks"]:
+            if r not in out or BADGE_WEIGHT[badge] > BADGE_WEIGHT[out[r]]:
                 out[r] = badge
     return out
 
 
-def rank_rows(snap: dict[str, Any], highlight: set[int] | None = None) -> list[RankRow]:
+def rank_rows(snap: Snapshot, highlight: set[int] | None = None) -> list[RankRow]:
     """Every rank of a snapshot as a row, in rank order."""
-    cols = snap.get("ranks") or {}
-    n = len(cols.get("rank") or [])
-    badges = badges_of(snap.get("findings") or [])
+    cols = snap["ranks"]
+    badges = badges_of(snap["findings"])
     hl = highlight or set()
-
-    def col(name: str) -> list[Any]:
-        c = cols.get(name)
-        return c if c is not None and len(c) == n else [None] * n
-
-    rank, node, status, step = col("rank"), col("node"), col("status"), col("step")
-    step_s, data, comp, comm = col("step_s"), col("data_wait_s"), col("compute_s"), col("comm_s")
-    expo, bus, util = col("comm_exposed_s"), col("busbw_Bps"), col("gpu_util_pct")
-    used, cap, peak = col("mem_used_bytes"), col("mem_capacity_bytes"), col("mem_peak_bytes")
-    gused, gtot = col("gpu_mem_used_bytes"), col("gpu_mem_total_bytes")
-    pw, pwl = col("gpu_power_w"), col("gpu_power_limit_w")
-    clk, clkm, phase = col("gpu_sm_clock_mhz"), col("gpu_sm_clock_max_mhz"), col("phase")
+    used, cap, peak = cols["mem_used_bytes"], cols["mem_capacity_bytes"], cols["mem_peak_bytes"]
+    gused, gtot = cols["gpu_mem_used_bytes"], cols["gpu_mem_total_bytes"]
     rows = []
-    for i in range(n):
+    for i, rank in enumerate(cols["rank"]):
         u, c = num(used[i]) or num(gused[i]), num(cap[i]) or num(gtot[i])
         p = num(peak[i]) or u
         head = (c - p) / c if c and p is not None else None
-        st = str(status[i] or "")
-        badge = badges.get(rank[i], "") or (STATUS_BADGES.get(st, "") if st != "active" else "")
+        st = str(cols["status"][i] or "")
+        badge = badges.get(rank, "") or (STATUS_BADGES.get(st, "") if st != "active" else "")
+        step = cols["step"][i]
         rows.append(RankRow(
-            int(rank[i]), str(node[i] or "?"), st, badge, step[i], num(step_s[i]),
-            num(data[i]), num(comp[i]), num(comm[i]), num(expo[i]), num(bus[i]),
-            num(util[i]), u, c, head, num(pw[i]), num(pwl[i]), num(clk[i]), num(clkm[i]),
-            phase[i], rank[i] in hl))
+            int(rank), str(cols["node"][i] or "?"), st, badge, step if step >= 0 else None,
+            num(cols["step_s"][i]), num(cols["data_wait_s"][i]), num(cols["compute_s"][i]),
+            num(cols["comm_s"][i]), num(cols["comm_exposed_s"][i]),
+            num(cols["busbw_Bps"][i]), num(cols["gpu_util_pct"][i]), u, c, head,
+            num(cols["gpu_power_w"][i]), num(cols["gpu_power_limit_w"][i]),
+            num(cols["gpu_sm_clock_mhz"][i]), num(cols["gpu_sm_clock_max_mhz"][i]),
+            cols["phase"][i], rank in hl))
     return rows
 
 
 #: Sortable columns: name -> key function (None sorts last).
-SORT_KEYS: dict[str, Any] = {
+SORT_KEYS: dict[str, Callable[[RankRow], Any]] = {
     "worst": lambda r: (-r.severity, -(r.step_s or 0.0), r.rank),
     "rank": lambda r: r.rank,
     "node": lambda r: (r.node, r.rank),
@@ -206,7 +146,7 @@ def sort_rows(rows: list[RankRow], key: str = "worst", reverse: bool = False) ->
     return sorted(have, key=fn, reverse=desc) + missing
 
 
-def parse_filter(text: str) -> Any:
+def parse_filter(text: str) -> Callable[[RankRow], bool]:
     """A predicate from the filter box: rank numbers and ranges (``3``, ``0-7``), a
     badge or status (``starved``, ``lost``), or part of a node name. Terms separated by
     spaces or commas; a row matching any term passes."""
@@ -233,8 +173,8 @@ def parse_filter(text: str) -> Any:
     return keep
 
 
-def group_rows(rows: list[RankRow], snap: dict[str, Any], unfolded: set[str],
-               fold_all: bool) -> list[RankRow | NodeRow]:
+def group_rows(rows: list[RankRow], unfolded: set[str], fold_all: bool
+               ) -> list[RankRow | NodeRow]:
     """Rows grouped under their node (nodes worst first); a folded node is one line."""
     by_node: dict[str, list[RankRow]] = {}
     for r in rows:
@@ -242,23 +182,26 @@ def group_rows(rows: list[RankRow], snap: dict[str, Any], unfolded: set[str],
     out: list[RankRow | NodeRow] = []
     groups = []
     for node, members in by_node.items():
-        def worst(vals: list[float | None], fn: Any = max) -> float | None:
-            have = [v for v in vals if v is not None]
-            return fn(have) if have else None
-        badge = max((m.badge for m in members if m.badge in _BADGE_WEIGHT),
-                    key=lambda b: _BADGE_WEIGHT[b], default="")
+        badge = max((m.badge for m in members if m.badge in BADGE_WEIGHT),
+                    key=lambda b: BADGE_WEIGHT[b], default="")
         folded = (fold_all and node not in unfolded) or (not fold_all and node in unfolded)
         groups.append(NodeRow(node, len(members), sum(m.status == "active" for m in members),
-                              worst([m.step_s for m in members]),
-                              worst([m.data_s for m in members]),
-                              worst([m.comm_s for m in members]),
-                              worst([m.busbw for m in members], min), badge, folded, members))
-    groups.sort(key=lambda g: (-_BADGE_WEIGHT.get(g.badge, 0), -(g.step_s or 0.0), g.node))
+                              _worst([m.step_s for m in members]),
+                              _worst([m.data_s for m in members]),
+                              _worst([m.comm_s for m in members]),
+                              _worst([m.busbw for m in members], min), badge, folded, members))
+    groups.sort(key=lambda g: (-BADGE_WEIGHT.get(g.badge, 0), -(g.step_s or 0.0), g.node))
     for g in groups:
         out.append(g)
         if not g.folded:
             out.extend(g.members)
     return out
+
+
+def _worst(vals: list[float | None],
+           pick: Callable[[list[float]], float] = max) -> float | None:
+    have = [v for v in vals if v is not None]
+    return pick(have) if have else None
 
 
 @dataclass
@@ -268,7 +211,7 @@ class JobFigures:
     job: str
     world: int
     seen: int
-    attempt: Any
+    attempt: int | None
     attempts: int
     uptime_s: float
     steps_per_s: float | None
@@ -282,42 +225,41 @@ class JobFigures:
     job_id: str = ""  # the training job's own id (Ray run id, rendezvous) when named
 
 
-def job_figures(snap: dict[str, Any]) -> JobFigures:
+def job_figures(snap: Snapshot) -> JobFigures:
     """Steps/s (median rank), samples/s (all ranks), efficiency and rtop's own counts."""
-    run, cols = snap.get("run") or {}, snap.get("ranks") or {}
-    status = cols.get("status") or []
-    steps = [v for v in (num(x) for x in cols.get("step_s") or []) if v]
-    samples = cols.get("samples") or []
+    run, cols = snap["run"], snap["ranks"]
+    status = cols["status"]
+    steps = [v for v in (num(x) for x in cols["step_s"]) if v]
     rate = 1.0 / statistics.median(steps) if steps else None
     sps = 0.0
     any_samples = False
-    for s, t in zip(samples, cols.get("step_s") or [], strict=False):
-        if num(s) and num(t):
-            sps += s / t
+    for s, t in zip(cols["samples"], cols["step_s"], strict=False):
+        ns, nt = num(s), num(t)
+        if ns and nt:
+            sps += ns / nt
             any_samples = True
     eff = None
-    scaling = (snap.get("overview") or {}).get("scaling")
-    if isinstance(scaling, dict):
-        eff = num(scaling.get("efficiency"))
+    scaling = snap["overview"].get("scaling")
+    if scaling is not None:
+        eff = num(scaling["efficiency"])
     if eff is None:
-        comp = [num(x) for x in cols.get("compute_s") or []]
-        expo = [num(x) for x in cols.get("comm_exposed_s") or []]
+        comp = [num(x) for x in cols["compute_s"]]
+        expo = [num(x) for x in cols["comm_exposed_s"]]
         pairs = [(c, e) for c, e in zip(comp, expo, strict=False) if c and e is not None]
         if pairs:
             eff = statistics.median(c / (c + e) for c, e in pairs)
-    dropped = sum(int(d) for d in cols.get("dropped") or [] if isinstance(d, int))
-    cpus = [v for v in (num(x) for x in cols.get("rtop_cpu") or []) if v is not None]
-    name, job_id = str(run.get("name") or ""), str(run.get("job") or "")
+    dropped = sum(d for d in cols["dropped"] if isinstance(d, int))
+    cpus = [v for v in (num(x) for x in cols["rtop_cpu"]) if v is not None]
+    name, job_id = run["name"] or "", run["job"] or ""
     return JobFigures(
-        name or job_id or "(unnamed job)", int(run.get("world_size") or 0),
-        int(run.get("ranks_seen") or 0), run.get("attempt"), int(run.get("attempts") or 0),
-        float(run.get("uptime_s") or 0.0), rate, sps if any_samples else None, eff, dropped,
-        int(run.get("bad_frames") or 0), sum(s == "active" for s in status),
-        sum(s in ("lost", "failed") for s in status),
+        name or job_id or "(unnamed job)", run["world_size"] or 0, run["ranks_seen"] or 0,
+        run["attempt"], run["attempts"] or 0, run["uptime_s"] or 0.0, rate,
+        sps if any_samples else None, eff, dropped, run["bad_frames"] or 0,
+        sum(s == "active" for s in status), sum(s in ("lost", "failed") for s in status),
         statistics.median(cpus) if cpus else None, job_id if name and name != job_id else "")
 
 
-def memory_split(detail: dict[str, Any]) -> dict[str, float] | None:
+def memory_split(detail: RankDetail) -> dict[str, float] | None:
     """Parameters / gradients / optimizer / activations and other / free, in bytes, from
     a rank's latest memory sample (None if the rank reported no memory)."""
     mem = detail.get("mem")
@@ -336,7 +278,7 @@ def memory_split(detail: dict[str, Any]) -> dict[str, float] | None:
             "activations": other, "free": max(0.0, cap - peak), "capacity": cap}
 
 
-def growth_forecast(detail: dict[str, Any]) -> tuple[float | None, float | None]:
+def growth_forecast(detail: RankDetail) -> tuple[float | None, float | None]:
     """(bytes per step, steps to the wall) from a rank's memory history: a least-squares
     slope of used memory against steps; None when memory is flat or unknown."""
     samples = detail.get("samples") or {}
@@ -357,7 +299,8 @@ def growth_forecast(detail: dict[str, Any]) -> tuple[float | None, float | None]
         return None, None
     slope = sum((a - mt) * (b - mu) for a, b in pts) / var  # bytes/s
     span = (sw[-1] or 0) - (sw[0] or 0)
-    rate = (st[-1] - st[0]) / span if span > 0 and st[-1] is not None and st[0] is not None \
+    first, last = st[0], st[-1]
+    rate = (last - first) / span if span > 0 and last is not None and first is not None \
         else None
     if not rate or slope <= 0:
         return 0.0 if rate else None, None

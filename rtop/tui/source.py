@@ -2,8 +2,8 @@
 
 A source runs in the app's worker thread (:meth:`Source.run`) and talks back only by
 posting messages; the UI never touches a socket or a file itself. Every source produces
-the same snapshot shape as the hub (``RunState.snapshot()`` plus ``findings``,
-``overview`` and ``hub``), so live and replay share every screen.
+the hub's :class:`~rtop.run.snapshot.Snapshot` (``Monitor.snapshot()``), so live and
+replay share every screen.
 """
 
 from __future__ import annotations
@@ -14,18 +14,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Final
 
 import msgpack
+from textual.message import Message
 
 from collectors import wire
 from rtop.analysis import AnalysisConfig, Monitor
+from rtop.fmt import fmt_duration
 from rtop.run.recording import ReadResult, read
 from rtop.run.snapshot import HubInfo, RankDetail, ReplayInfo, Snapshot
 from rtop.run.state import ProtocolError, RunState
 from rtop.tui.messages import DetailReceived, SnapshotReceived, SourceStatus
 
-Post = Callable[[Any], Any]
+#: How a source hands a message to the app (``App.post_message``).
+Post = Callable[[Message], object]
 
 
 class Source:
@@ -143,12 +146,17 @@ def recording_span(path: str | Path) -> tuple[float | None, float | None]:
     return start, end
 
 
+#: The replay speeds :meth:`ReplaySource.faster` steps through.
+SPEEDS: Final = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
 class ReplaySource(Source):
     """A recording played back through the same state and diagnosis as the live hub.
 
-    ``speed`` (1× by default), ``paused``, :meth:`seek` (seconds from the start) and
-    :meth:`seek_step` are safe to set from the UI thread; they take effect at the next
-    tick. Seeking back replays from the start (the diagnosis needs the history).
+    :meth:`toggle_pause`, :meth:`faster`, :meth:`set_speed`, :meth:`seek` (seconds from
+    the start) and :meth:`seek_step` are safe to call from the UI thread; they wake the
+    player, which applies them at once. Seeking back replays from the start (the
+    diagnosis needs the history).
     """
 
     live = False
@@ -163,7 +171,7 @@ class ReplaySource(Source):
         self.path = Path(path)
         self.title = self.path.name
         self.thresholds = thresholds or AnalysisConfig.load()
-        self.speed, self.paused = speed, paused
+        self._speed, self._paused = speed, paused
         self.start, self.end = recording_span(self.path)
         self._seek: tuple[str, float] | None = None
         self._lock = threading.Lock()
@@ -177,6 +185,38 @@ class ReplaySource(Source):
         if self.start is None or self.end is None:
             return None
         return max(0.0, self.end - self.start)
+
+    @property
+    def speed(self) -> float:
+        """How many seconds of the recording play per second."""
+        return self._speed
+
+    @property
+    def paused(self) -> bool:
+        """Whether the replay stands still."""
+        return self._paused
+
+    def toggle_pause(self) -> bool:
+        """Pause, or play on; returns whether it is paused now."""
+        with self._lock:
+            self._paused = paused = not self._paused
+        self.wake.set()
+        return paused
+
+    def set_speed(self, speed: float) -> None:
+        """Play ``speed`` seconds of the recording per second."""
+        with self._lock:
+            self._speed = speed
+        self.wake.set()
+
+    def faster(self, steps: int) -> float:
+        """The speed ``steps`` places up :data:`SPEEDS` (down when negative, from the
+        nearest one, within its ends); returns the new speed."""
+        with self._lock:
+            i = min(range(len(SPEEDS)), key=lambda k: abs(SPEEDS[k] - self._speed))
+            self._speed = speed = SPEEDS[max(0, min(len(SPEEDS) - 1, i + steps))]
+        self.wake.set()
+        return speed
 
     def seek(self, seconds: float) -> None:
         """Jump to ``seconds`` from the start of the recording."""
@@ -196,7 +236,7 @@ class ReplaySource(Source):
         computed synchronously: for screenshots, fixtures and tests."""
         self._open()
         self._advance(until=(self._t0 or 0.0) + seconds)
-        self.paused = True
+        self._paused = True
         return self._snapshot(), {r: self.monitor.rank_detail(r) for r in ranks}
 
     # ---- the player --------------------------------------------------------------------
@@ -288,7 +328,7 @@ class ReplaySource(Source):
             self.wake.wait(max(0.0, tick - (time.monotonic() - t0)))
 
     def _do_seek(self, post: Post, what: str, value: float) -> None:
-        where = f"step {int(value)}" if what == "step" else _hms(value)
+        where = f"step {int(value)}" if what == "step" else fmt_duration(value)
         post(SourceStatus(f"seeking to {where}…"))
         t0 = self._t0 or 0.0
         if what == "time":
@@ -303,9 +343,3 @@ class ReplaySource(Source):
             self._advance(until=None, step=int(value))
         post(SourceStatus(f"replay · {self.path.name}"))
 
-
-def _hms(seconds: float) -> str:
-    s = int(seconds)
-    if s >= 3600:
-        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-    return f"{s // 60}:{s % 60:02d}"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -12,13 +13,15 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Static
 
-from rtop.tui.model import fmt_bytes, fmt_ms, fmt_pct, fmt_rate, num, rank_rows
+from rtop.fmt import NA, fmt_bytes, fmt_ms, fmt_pct, fmt_rate, num
+from rtop.run.snapshot import Snapshot
+from rtop.tui.model import rank_rows
 
 
 def ratio_bar(value: float | None, expected: float | None, width: int = 24) -> Text:
     """How much of the expected a value is, as a bar (red under half)."""
     if value is None or not expected:
-        return Text("–", "dim")
+        return Text(NA, "dim")
     r = max(0.0, value / expected)
     n = min(width, round(width * min(r, 1.0)))
     style = "red" if r < 0.5 else "yellow" if r < 0.8 else "green"
@@ -36,9 +39,9 @@ class FabricScreen(Screen[None]):
             yield Static("", id="fabric")
         yield Footer()
 
-    def show_snapshot(self, snap: dict[str, Any]) -> None:
+    def show_snapshot(self, snap: Snapshot) -> None:
         """Redraw."""
-        ov = snap.get("overview") or {}
+        ov = snap["overview"]
         expected = num(ov.get("expected_busbw_Bps"))
         out = Text()
         out.append("Fabric: ", "bold")
@@ -47,13 +50,12 @@ class FabricScreen(Screen[None]):
                    "  (no expected bandwidth for this fabric class)  ")
         out.append("busbw = bytes/t × 2(n−1)/n, from the rank that reaches the allreduce last\n",
                    "dim")
-        nodes = snap.get("nodes") or {}
+        nodes = snap["nodes"]
         t = Table(title="per node (worst rank)", expand=False, box=None, title_justify="left")
         for c in ("node", "ranks", "up", "busbw", "vs expected", "comm ms"):
             t.add_column(c, justify="right" if c not in ("node", "vs expected") else "left")
-        names = nodes.get("node") or []
-        for i, name in enumerate(names):
-            bus = num((nodes.get("busbw_Bps") or [None] * len(names))[i])
+        for i, name in enumerate(nodes["node"]):
+            bus = num(nodes["busbw_Bps"][i])
             t.add_row(name, str(nodes["ranks"][i]), str(nodes["active"][i]), fmt_rate(bus),
                       ratio_bar(bus, expected), fmt_ms(nodes["comm_s"][i]))
         rows = sorted((r for r in rank_rows(snap) if r.busbw is not None),
@@ -81,46 +83,45 @@ class ScalingScreen(Screen[None]):
             yield Static("", id="scaling")
         yield Footer()
 
-    def show_snapshot(self, snap: dict[str, Any]) -> None:
+    def show_snapshot(self, snap: Snapshot) -> None:
         """Redraw."""
-        sc = (snap.get("overview") or {}).get("scaling")
+        sc = snap["overview"].get("scaling")
         out = Text()
-        if not isinstance(sc, dict):
+        if sc is None:
             out.append("Scaling: not enough steps from two or more ranks yet.", "dim")
             self.query_one("#scaling", Static).update(out)
             return
-        eff = num(sc.get("efficiency"))
+        eff = num(sc["efficiency"])
         out.append("Scaling efficiency ", "bold")
         out.append(fmt_pct(eff, 100), "bold green" if (eff or 0) >= 0.6 else "bold yellow")
         out.append("  = compute / (compute + allreduce not hidden behind backward)\n")
-        out.append(f"  compute {fmt_ms(sc.get('compute_s'))} ms · allreduce "
-                   f"{fmt_ms(sc.get('comm_s'))} ms, of which exposed "
-                   f"{fmt_ms(sc.get('comm_exposed_s'))} ms · {fmt_bytes(sc.get('comm_bytes'))} "
-                   f"per step at {fmt_rate(sc.get('busbw_Bps'))} bus bandwidth\n"
-                   f"  without any overlap: {fmt_pct(sc.get('efficiency_no_overlap'), 100)}\n",
+        out.append(f"  compute {fmt_ms(sc['compute_s'])} ms · allreduce "
+                   f"{fmt_ms(sc['comm_s'])} ms, of which exposed "
+                   f"{fmt_ms(sc['comm_exposed_s'])} ms · {fmt_bytes(sc['comm_bytes'])} "
+                   f"per step at {fmt_rate(sc['busbw_Bps'])} bus bandwidth\n"
+                   f"  without any overlap: {fmt_pct(sc['efficiency_no_overlap'], 100)}\n",
                    "dim")
         out.append("\nWhat if: more ranks, the same per-rank batch and fabric, no overlap\n",
                    "bold")
         t = Table(box=None)
         for c in ("ranks", "allreduce ms", "efficiency", "throughput vs now"):
             t.add_column(c, justify="right")
-        what = sc.get("what_if") or []
+        what = sc["what_if"]
         base = what[0] if what else None
+        base_eff = num(base["efficiency"]) if base is not None else None
         for w in what:
-            e = num(w.get("efficiency"))
+            e = num(w["efficiency"])
             speed = ""
-            if base and e and num(base.get("efficiency")):
-                speed = f"{w['ranks'] * e / (base['ranks'] * base['efficiency']):.2f}×"
-            t.add_row(str(w.get("ranks")), fmt_ms(w.get("comm_s")), fmt_pct(e, 100), speed)
+            if base is not None and e and base_eff:
+                speed = f"{w['ranks'] * e / (base['ranks'] * base_eff):.2f}×"
+            t.add_row(str(w["ranks"]), fmt_ms(w["comm_s"]), fmt_pct(e, 100), speed)
         lever = Text("\nLevers: a larger per-rank batch (more compute per byte), a faster "
                      "fabric (more busbw), better overlap (bucket_cap_mb, static_graph), "
                      "fewer bytes (bf16 gradient compression).", "dim")
         self.query_one("#scaling", Static).update(_group(out, t, lever))
 
 
-def _group(*parts: Any) -> Any:
-    from rich.console import Group
-
+def _group(*parts: RenderableType) -> Group:
     return Group(*parts)
 
 
