@@ -6,6 +6,7 @@ A figure that was not measured is ``None`` (or NaN) and prints as :data:`NA`, ne
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 #: What a figure that was not measured prints as.
@@ -16,7 +17,7 @@ def num(x: object) -> float | None:
     """A number or None (NaN, missing and non-numbers are None)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
-    return None if x != x else float(x)
+    return None if math.isnan(x) else float(x)
 
 
 def fixed(x: object, scale: float = 1.0, digits: int = 1) -> str:

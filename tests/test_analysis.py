@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import fields
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -275,3 +277,15 @@ def test_analysis_of_4096_ranks_is_fast():
         evaluate(st, AnalysisConfig())
     took = (time.perf_counter() - t0) / 3
     assert took < 0.5, f"{took * 1e3:.0f} ms"  # a generous bound; the benchmark measures
+
+
+def test_every_threshold_is_read_and_documented():
+    """Every field of AnalysisConfig decides something in the analysis and has its row in
+    the README's table of thresholds."""
+    root = Path(__file__).resolve().parents[1]
+    code = "".join(p.read_text() for p in (root / "rtop" / "analysis").glob("*.py")
+                   if p.name != "config.py")
+    readme = (root / "README.md").read_text()
+    for f in fields(AnalysisConfig):
+        assert f"cfg.{f.name}" in code, f"{f.name} is never read"
+        assert f"| `{f.name}` |" in readme, f"{f.name} is not in the README's table"

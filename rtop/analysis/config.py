@@ -2,10 +2,11 @@
 
 A finding starts when its condition holds at ``onset_evals`` evaluations in a row and
 ends when it has not held for ``clear_s`` seconds; while it is active its ranks are
-judged against the (lower) ``*_clear`` thresholds, so a figure hovering at the limit
-does not make a finding flap. Override any field with ``AnalysisConfig(**changes)``,
-from a JSON file (``rtop serve --thresholds FILE``, ``rtop report --thresholds FILE``)
-or ``RTOP_THRESHOLDS='{"straggler_ratio": 1.5}'``.
+judged against thresholds eased by the kind's ``*_clear`` factor (under 1 where a high
+figure flags, over 1 where a low one does), so a figure hovering at the limit does not
+make a finding flap. Every number that decides a finding is a field here. Override any
+field with ``AnalysisConfig(**changes)``, from a JSON file (``rtop serve --thresholds
+FILE``, ``rtop report --thresholds FILE``) or ``RTOP_THRESHOLDS='{"straggler_ratio": 1.5}'``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class AnalysisConfig:
     recent_max_steps: int = 20  # ... and at most this many
     onset_evals: int = 2  # consecutive evaluations (0.5 s apart live) before a finding starts
     clear_s: float = 5.0  # a finding ends after its condition has not held this long
+    # lost_rank
+    lost_together_s: float = 0.3  # ranks lost this soon after the first are named with it
     # starved_rank / input_bound
     starved_ratio: float = 3.0  # data wait at least this many times the others' median
     starved_min_wait_s: float = 0.005  # ... and at least this long
@@ -48,29 +51,55 @@ class AnalysisConfig:
     straggler_min_excess_s: float = 0.005  # ... and at least this much longer
     straggler_min_share: float = 0.10  # ... and the excess at least this share of its step
     straggler_min_fraction: float = 0.75  # ... in at least this share of its recent steps
-    straggler_clear: float = 0.8
+    straggler_max_share: float = 0.5  # more than this share of the ranks slow: no straggler
+    straggler_clear: float = 0.8  # active findings use thresholds times this
+    # straggler: its cause, read from the slow rank's own counters
+    cause_power_share: float = 0.95  # power at least this share of its limit: at the power cap
+    cause_temp_c: float = 85.0  # GPU at least this hot (degrees C): heat
+    cause_host_cpu_pct: float = 90.0  # its host's CPUs at least this busy: saturated
+    # ... said plainly when this many points busier than its peers' hosts (or theirs is
+    # unknown), else with the load average: "the processes there compete for cores"
+    cause_host_cpu_over_peers_pct: float = 20.0
     # slow_link
     fabric_busbw: dict[str, float | None] = field(
         default_factory=lambda: dict(DEFAULT_FABRIC_BUSBW))
     inter_node_fabric: str = "ethernet"  # the class assumed between nodes
     slow_link_ratio: float = 0.5  # measured busbw below this share of the expected
     slow_link_min_bytes: float = 1e6  # only judge steps that all-reduce at least this
+    slow_link_clear: float = 1.2  # active: slow_link_ratio times this
     # low_scaling_efficiency
     efficiency_min: float = 0.6  # compute / (compute + exposed comm) below this
+    efficiency_clear: float = 1.1  # active: efficiency_min times this
     # memory_wall
     headroom_min: float = 0.10  # free memory below this share of capacity
     oom_horizon_steps: float = 20000.0  # memory growth that fills the device within this
+    oom_horizon_s: float = 3600.0  # ... or, with no step rate known, within this many seconds
     mem_trend_samples: int = 20  # samples (about 1 s apart) the growth is fitted on
+    mem_trend_min_samples: int = 10  # ... of which at least this many (after warm-up)
     mem_trend_min_growth: float = 0.02  # growth over the fit at least this share of capacity
     mem_trend_min_r2: float = 0.8  # ... and this straight
+    # ... and the newer half of the fit growing at least this share as fast as the whole
+    # (memory that grew during a warm-up and then stopped is no trend)
+    mem_trend_newer_ratio: float = 0.5
+    # active: headroom_min and oom_horizon_steps times this, mem_trend_min_growth and
+    # mem_trend_min_r2 divided by it
+    memory_wall_clear: float = 1.3
+    oom_critical_steps: float = 500.0  # critical (not warning) when it fills within this ...
+    headroom_critical: float = 0.03  # ... or less than this share of capacity is free
     # gpu_throttled
     throttle_clock_ratio: float = 0.9  # SM clock below this share of its max, with a reason
+    throttle_clear: float = 1.05  # active: throttle_clock_ratio times this
     # hung_rank
     hung_min_s: float = 30.0  # a phase longer than the larger of this ...
     hung_step_multiple: float = 10.0  # ... and this many median steps
     # checkpoint_interval (Young/Daly)
     gpu_mtbf_h: float = 50000.0  # mean time between failures of one GPU (and its share of node)
     checkpoint_tolerance: float = 2.0  # interval off the optimum by more than this factor
+    checkpoint_clear: float = 1.2  # active: checkpoint_tolerance times this
+    # warning (not info) when the share of the run lost to checkpoints and to redoing work
+    # after failures is over this many times what the optimum loses ...
+    checkpoint_warning_ratio: float = 2.0
+    checkpoint_warning_overhead: float = 0.05  # ... and over this share of the run
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> AnalysisConfig:

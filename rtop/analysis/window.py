@@ -7,20 +7,25 @@ and cost little even at thousands of ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import TypeGuard
 
 import numpy as np
 
-from collectors.schema import GPU_FIELDS, MEM_FIELDS
 from rtop.analysis.config import AnalysisConfig
 from rtop.run.ring import nanmedian_rows
 from rtop.run.state import LATEST, RankState, RunState
 
 _LATEST = {f: i for i, f in enumerate(LATEST)}
-MIN_TREND_SAMPLES = 10  # about ten seconds of memory samples before judging a trend
 _STEP_FIGURES = ("step_s", "data_wait_s", "compute_s", "comm_s", "comm_exposed_s",
                  "comm_bytes", "busbw_Bps")
+
+
+def measured(x: float | None) -> TypeGuard[float]:
+    """Whether a figure was measured: not None and not NaN (how the window and the
+    evidence say "not measured")."""
+    return x is not None and not math.isnan(x)
 
 
 @dataclass
@@ -47,7 +52,6 @@ class Window:
     mem_r2: np.ndarray  # straightness of the fit
     gpu_name: list[str | None]
     nvlink: np.ndarray  # active NVLink links per rank's GPU (0 when none, NaN unknown)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -105,9 +109,10 @@ def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
     return med, count, rate, last[:, :, 1 + _STEP_FIGURES.index("compute_s")].astype(np.float64)
 
 
-def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, n_samples: int
+def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, cfg: AnalysisConfig
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Least-squares growth of device memory used over the last samples, per rank."""
+    n_samples = cfg.mem_trend_samples
     last = state.samples.last(slots, n_samples, ["t_wall", "mem_used_bytes"]
                               ).astype(np.float64)
     t, y = last[:, :, 0], last[:, :, 1]
@@ -129,7 +134,7 @@ def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, n_sam
         slope = sxy / sxx
         r2 = (sxy * sxy) / (sxx * syy)
         span = np.where(ok, t, -np.inf).max(axis=1) - np.where(ok, t, np.inf).min(axis=1)
-        # sustained growth, not a warm-up: the newer half must grow at least half as fast
+        # sustained growth, not a warm-up: the newer half must keep growing (mem_trend_newer_ratio)
         half = n_samples // 2
         tn, yn, okn = t[:, half:], y[:, half:], ok[:, half:]
         cn = okn.sum(axis=1)
@@ -138,7 +143,7 @@ def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, n_sam
         dtn = np.where(okn, tn - tmn[:, None], 0.0)
         dyn = np.where(okn, yn - ymn[:, None], 0.0)
         slope_new = (dtn * dyn).sum(axis=1) / (dtn * dtn).sum(axis=1)
-    bad = (cnt < MIN_TREND_SAMPLES) | ~(slope_new >= 0.5 * slope)
+    bad = (cnt < cfg.mem_trend_min_samples) | ~(slope_new >= cfg.mem_trend_newer_ratio * slope)
     slope[bad] = np.nan
     r2[bad] = np.nan
     return slope, slope * span, r2
@@ -155,7 +160,7 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None) -> Wind
     if n:
         med, count, rate, compute = _recent_medians(state, ranks, slots, cfg)
         latest = state.latest[slots]
-        slope, growth, r2 = _mem_trend(state, ranks, slots, cfg.mem_trend_samples)
+        slope, growth, r2 = _mem_trend(state, ranks, slots, cfg)
     else:
         med = np.empty((0, len(_STEP_FIGURES) + 1))
         count = rate = slope = growth = r2 = np.empty(0)
@@ -187,8 +192,3 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None) -> Wind
         nvlink=np.array([float(d["nvlink_links"]) if d and isinstance(
             d.get("nvlink_links"), (int, float)) else np.nan for d in dev]),
     )
-
-
-#: Names of the latest-sample arrays, for the detectors.
-GPU = {f: f"gpu_{f}" for f in GPU_FIELDS[1:]}
-MEM = {f: f"mem_{f}" for f in MEM_FIELDS[2:]}

@@ -10,6 +10,7 @@ a day of training); ``history`` gives it back absolute.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -55,7 +56,7 @@ class Rings:
         """Append one row (``len(fields)`` floats, NaN for missing)."""
         if self._t is not None:
             t = row[self._t]
-            if t == t:  # not NaN
+            if not math.isnan(t):
                 if self.base is None:
                     self.base = t
                 row[self._t] = t - self.base

@@ -1,0 +1,271 @@
+"""What a finding says: its summary and its fix, written from its evidence.
+
+The detectors (:mod:`rtop.analysis.detectors`) decide a finding: its ranks (the one it
+blames first), severity, evidence and impact. This module only words it, from the ranks
+and the figures in the evidence, so a sentence never shows a number the evidence does
+not hold. A figure that was not measured (``None`` or NaN) reads "n/a".
+
+A kind's fix (:data:`rtop.analysis.kinds.KINDS`) may name ``{ranks}`` (as the summary
+names them, in lower case), ``{node}`` (the node of the rank blamed first) and
+``{optimum}`` (the optimal checkpoint interval, as a duration).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rtop.analysis.kinds import KINDS
+from rtop.analysis.window import measured
+from rtop.fmt import NA
+
+Evidence = Mapping[str, Any]
+GB = 1e9
+
+
+def num(x: float | None, fmt: str, scale: float = 1.0) -> str:
+    """``x / scale`` in ``fmt``, or "n/a" when it was not measured."""
+    return f"{x / scale:{fmt}}" if measured(x) else NA
+
+
+def ms(x: float | None) -> str:
+    """Seconds as milliseconds for a sentence."""
+    if not measured(x):
+        return NA
+    return f"{x * 1e3:.0f} ms" if x >= 0.0095 else f"{x * 1e3:.1f} ms"
+
+
+def duration(s: float | None) -> str:
+    """Seconds as seconds, minutes or hours, whichever reads best."""
+    if not measured(s):
+        return NA
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def names(ranks: Sequence[int]) -> str:
+    """"Rank 3", "Ranks 3 and 5", "Ranks 1, 2, 3, 4, 5 and others"."""
+    if not ranks:
+        return "The ranks"
+    if len(ranks) == 1:
+        return f"Rank {ranks[0]}"
+    if len(ranks) == 2:
+        return f"Ranks {ranks[0]} and {ranks[1]}"
+    shown = ", ".join(str(r) for r in ranks[:5])
+    return f"Ranks {shown}{' and others' if len(ranks) > 5 else ''}"
+
+
+def _verb(ranks: Sequence[int], one: str, many: str) -> str:
+    return one if len(ranks) == 1 else many
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None unless both were measured and ``b`` is positive."""
+    if measured(a) and measured(b) and b > 0:
+        return a / b
+    return None
+
+
+def _first(ranks: Sequence[int], ev: Evidence) -> Mapping[str, Any]:
+    """The evidence about the rank a finding blames first (empty if it has none)."""
+    per_rank = ev.get("ranks")
+    if ranks and isinstance(per_rank, Mapping):
+        return per_rank.get(str(ranks[0])) or {}
+    return {}
+
+
+def _count(ev: Evidence, key: str, listed: str) -> int:
+    """A count from the evidence, or the length of the (possibly cut) list it counts."""
+    n = ev.get(key)
+    return int(n) if isinstance(n, (int, float)) else len(ev.get(listed) or ())
+
+
+# ---- the summaries, one per kind ------------------------------------------------------
+
+def _lost_rank(ranks: Sequence[int], ev: Evidence) -> str:
+    r = _first(ranks, ev)
+    last_step = r.get("last_step")
+    text = (f"{names(ranks)} stopped reporting (last step "
+            f"{NA if last_step is None else last_step}, {num(r.get('silent_s'), '.0f')} s "
+            "ago): the process likely died or its node went away; the others will block in "
+            "the next collective.")
+    then = _count(ev, "lost_after_count", "lost_after_them")
+    if then:
+        text += f" {then} more rank{'s' if then > 1 else ''} went after it."
+    return text
+
+
+def _hung_rank(ranks: Sequence[int], ev: Evidence) -> str:
+    r = _first(ranks, ev)
+    peers = _count(ev, "peers_waiting_count", "peers_waiting_in_collective")
+    waiting = f"; {peers} peers wait for it in the allreduce" if peers else ""
+    return (f"{names(ranks)} {_verb(ranks, 'has', 'have')} been stuck in "
+            f"{r.get('phase') or NA} for {num(r.get('phase_s'), '.0f')} s (a step takes "
+            f"{ms(ev.get('median_step_s'))}){waiting}.")
+
+
+def _input_bound(ranks: Sequence[int], ev: Evidence) -> str:
+    who = "The rank waits" if ev.get("ranks") == 1 else "Every rank waits"
+    return (f"{who} {ms(ev.get('data_wait_s_median'))} per step for data "
+            f"({num(ev.get('data_wait_share_median'), '.0%')} of the step): the input "
+            "pipeline, not any one rank, sets the pace.")
+
+
+def _starved_rank(ranks: Sequence[int], ev: Evidence) -> str:
+    r = _first(ranks, ev)
+    wait, peers = r.get("data_wait_s"), r.get("peers_data_wait_s")
+    times = _ratio(wait, peers)
+    if times is not None and math.isfinite(times) and times < 100:
+        ratio = f"{times:.0f}x its peers ({ms(peers)})"
+    elif measured(peers):
+        ratio = f"while its peers wait {ms(peers)}"
+    else:
+        ratio = "while its peers do not wait"
+    comm, peer_comm = r.get("comm_s"), ev.get("peers_comm_s_median")
+    then = (f"; the others then wait for it inside the allreduce ({ms(peer_comm)} vs "
+            f"{ms(comm)})") if measured(peer_comm) and measured(comm) \
+        and peer_comm > comm else ""
+    return (f"{names(ranks)} {_verb(ranks, 'waits', 'wait')} {ms(wait)} per step for data, "
+            f"{ratio}{then}.")
+
+
+def _clocks(c: Evidence) -> str:
+    reasons = c.get("throttle_reasons") or []
+    return (f"its GPU clocks are held at {num(c.get('sm_clock_mhz'), '.0f')} of "
+            f"{num(c.get('sm_clock_max_mhz'), '.0f')} MHz"
+            + (f" ({', '.join(reasons)})" if reasons else ""))
+
+
+def _host_cpu_shared(c: Evidence) -> str:
+    load = c.get("load_avg_1m")
+    return (f"its host's CPUs are saturated ({num(c.get('host_cpu_pct'), '.0f')}%"
+            + (f", load {load:.1f}" if measured(load) else "")
+            + "): the processes there compete for cores")
+
+
+#: How each cause of a straggler reads, from the slow rank's counters.
+STRAGGLER_CAUSES: dict[str, Callable[[Evidence], str]] = {
+    "clocks": _clocks,
+    "power_cap": lambda c: (f"it runs at its power cap ({num(c.get('power_w'), '.0f')} of "
+                            f"{num(c.get('power_limit_w'), '.0f')} W)"),
+    "hot": lambda c: f"it is hot ({num(c.get('temp_c'), '.0f')} °C)",
+    "gpu_model": lambda c: (f"it has a different GPU ({c.get('gpu') or NA}, the others "
+                            f"{c.get('peers_gpu') or NA})"),
+    "host_cpu": lambda c: f"its host's CPUs are saturated ({num(c.get('host_cpu_pct'), '.0f')}%)",
+    "host_cpu_shared": _host_cpu_shared,
+}
+
+
+def straggler_cause(causes: Sequence[str], counters: Evidence) -> str:
+    """The causes a detector found for a straggler (``STRAGGLER_CAUSES``' names), worded
+    from the slow rank's counters."""
+    if not causes:
+        return ("nothing in its own counters explains it: the work itself takes longer "
+                "there (uneven inputs, a noisy neighbour, a failing part)")
+    return "; ".join(STRAGGLER_CAUSES[c](counters) if c in STRAGGLER_CAUSES else c
+                     for c in causes)
+
+
+def _straggler(ranks: Sequence[int], ev: Evidence) -> str:
+    r = _first(ranks, ev)
+    comp, peers = r.get("compute_s"), r.get("peers_compute_s")
+    cause = ev.get("cause") or straggler_cause(ev.get("causes") or (),
+                                               ev.get("rank_counters") or {})
+    ratio = _ratio(comp, peers)
+    than = f"{ratio:.1f}x {_verb(ranks, 'its', 'their')} peers ({ms(peers)})" \
+        if ratio is not None else f"{_verb(ranks, 'its', 'their')} peers {ms(peers)}"
+    return (f"{names(ranks)} {_verb(ranks, 'computes', 'compute up to')} {ms(comp)} per "
+            f"step, {than}, and they wait for {_verb(ranks, 'it', 'them')} in the allreduce; "
+            f"{cause}.")
+
+
+def _gpu_throttled(ranks: Sequence[int], ev: Evidence) -> str:
+    r = _first(ranks, ev)
+    reasons = ", ".join(x.replace("_", " ") for x in r.get("reasons") or ()) or NA
+    return (f"{names(ranks)}'s GPU runs at {num(r.get('sm_clock_mhz'), '.0f')} of "
+            f"{num(r.get('sm_clock_max_mhz'), '.0f')} MHz, held down by {reasons}.")
+
+
+def _slow_link(ranks: Sequence[int], ev: Evidence) -> str:
+    best, expected = ev.get("busbw_best_Bps"), ev.get("expected_busbw_Bps")
+    nodes = _count(ev, "node_count", "nodes")
+    where = f"between {nodes} nodes" if nodes > 1 else "within the node"
+    return (f"The allreduce runs at {num(best, '.3g', GB)} GB/s bus bandwidth {where}, "
+            f"{num(_ratio(best, expected), '.0%')} of what {ev.get('fabric') or NA} should "
+            f"give ({num(expected, '.3g', GB)} GB/s); a slow link slows every rank of the "
+            "ring alike.")
+
+
+def _low_scaling_efficiency(ranks: Sequence[int], ev: Evidence) -> str:
+    what_if = ev.get("what_if") or []
+    last = what_if[-1] if what_if else {}
+    more = f" (at {last['ranks']} ranks, {last['efficiency']:.0%})." \
+        if measured(last.get("efficiency")) else "."
+    return (f"Only {num(ev.get('efficiency'), '.0%')} of each step is compute: "
+            f"{ms(ev.get('comm_exposed_s'))} of allreduce is not hidden behind "
+            f"{ms(ev.get('compute_s'))} of compute{more}")
+
+
+def _memory_wall(ranks: Sequence[int], ev: Evidence) -> str:
+    r = _first(ranks, ev)
+    used, cap, headroom = r.get("used_bytes"), r.get("capacity_bytes"), r.get("headroom_bytes")
+    if measured(used) and measured(cap) and used >= cap:
+        return (f"{names(ranks)} {_verb(ranks, 'uses', 'use up to')} {num(used, '.3g', GB)} "
+                f"GB, more than the {num(cap, '.3g', GB)} GB {_verb(ranks, 'it has', 'each has')}"
+                ": out of memory or about to be.")
+    if measured(r.get("steps_to_oom")):
+        return (f"{names(ranks)}'s memory grows {num(r.get('growth_Bps'), '.3g', 1e6)} MB/s "
+                f"and fills its {num(cap, '.3g', GB)} GB in about "
+                f"{num(r.get('steps_to_oom'), '.0f')} steps.")
+    return (f"{names(ranks)} {_verb(ranks, 'has', 'have')} {num(headroom, '.3g', GB)} GB of "
+            f"{num(cap, '.3g', GB)} GB left at its peak ({num(_ratio(headroom, cap), '.0%')}): "
+            "the next larger batch or sequence will not fit.")
+
+
+def _checkpoint_interval(ranks: Sequence[int], ev: Evidence) -> str:
+    interval, opt = ev.get("interval_s"), ev.get("optimal_interval_s")
+    if measured(interval) and measured(opt):
+        how = "too often" if interval < opt else "too rarely"
+    else:
+        how = "off the optimum"
+    n = ev.get("ranks")
+    mtbf_h = _ratio(ev.get("gpu_mtbf_h"), n)  # as the detector computes it, unrounded
+    if mtbf_h is None and measured(ev.get("job_mtbf_s")):
+        mtbf_h = ev["job_mtbf_s"] / 3600
+    return (f"Checkpoints take {num(ev.get('checkpoint_s'), '.1f')} s every "
+            f"{num(interval, '.0f')} s: {how} for {NA if n is None else n} GPUs (job MTBF "
+            f"{num(mtbf_h, '.0f')} h); every {duration(opt)} would cost "
+            f"{num(ev.get('overhead_at_optimum'), '.1%')} of the run instead of "
+            f"{num(ev.get('overhead_now'), '.1%')}.")
+
+
+SUMMARIES: dict[str, Callable[[Sequence[int], Evidence], str]] = {
+    "starved_rank": _starved_rank,
+    "input_bound": _input_bound,
+    "straggler": _straggler,
+    "slow_link": _slow_link,
+    "low_scaling_efficiency": _low_scaling_efficiency,
+    "memory_wall": _memory_wall,
+    "gpu_throttled": _gpu_throttled,
+    "hung_rank": _hung_rank,
+    "lost_rank": _lost_rank,
+    "checkpoint_interval": _checkpoint_interval,
+}
+
+
+def summary(kind: str, ranks: Sequence[int], evidence: Evidence) -> str:
+    """One or two sentences: who, what, the numbers (from ``evidence``)."""
+    return SUMMARIES[kind](ranks, evidence)
+
+
+def fix(kind: str, ranks: Sequence[int], evidence: Evidence) -> str:
+    """The kind's usual fix, its ``{placeholders}`` filled from the finding."""
+    return KINDS[kind].fix.format_map({
+        "ranks": names(ranks).lower(),
+        "node": _first(ranks, evidence).get("node") or NA,
+        "optimum": duration(evidence.get("optimal_interval_s")),
+    })
