@@ -25,22 +25,28 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-FIGURE = re.compile(
-    r"^\s*(?P<label>\S.*?)(?::\s+|\s{2,})(?P<value>[-+]?\d[\d,]*(?:\.\d+)?)\s*"
-    r"(?P<unit>us|µs|ms|s|Hz|MB|GB|%)(?=[\s,;)]|$)")
+UNITS = r"(?P<unit>us|µs|ms|s|Hz|MB|GB|%|x)(?=[\s,;)]|$)"
+NUMBER = r"(?P<value>[-+]?\d[\d,]*(?:\.\d+)?)\s?"
+FIGURE = re.compile(r"^\s*(?P<label>\S.*?)(?::\s+|\s{2,})" + NUMBER + UNITS)
+MORE = re.compile(r"(?<=\s)" + NUMBER + UNITS)
 
 
 def figures(output: str) -> dict[str, tuple[float, str]]:
     """``label -> (value, unit)`` for each figure line of a benchmark's output (the first
-    figure of a line, the first line of a label)."""
+    line of a label). A line's first figure is named by its label, the next ones by the
+    label and their place (``label [2]``, ...); a range such as ``0.98-1.05x`` is not a
+    figure."""
     out: dict[str, tuple[float, str]] = {}
     for line in output.splitlines():
         m = FIGURE.match(line)
         if m is None:
             continue
         label = " ".join(m["label"].rstrip(":").split())
-        if label and label not in out:
-            out[label] = (float(m["value"].replace(",", "")), m["unit"])
+        if not label or label in out:
+            continue
+        out[label] = (float(m["value"].replace(",", "")), m["unit"])
+        for i, more in enumerate(MORE.finditer(line, m.end()), 2):
+            out[f"{label} [{i}]"] = (float(more["value"].replace(",", "")), more["unit"])
     return out
 
 
@@ -64,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a checkout of the earlier revision (git worktree add DIR COMMIT)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per revision (default 3)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    ap.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                    help="also write each run's output to DIR")
     ap.add_argument("script", help="a benchmark in benchmarks/, e.g. tui_speed.py")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (after --)")
     opts = ap.parse_args(argv)
@@ -75,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, tree in trees.items():
             out, took = run(tree, opts.script, args, opts.timeout)
             print(f"run {i + 1}/{opts.repeat} {name:6} {took:6.0f} s", flush=True)
+            if opts.keep is not None:
+                opts.keep.mkdir(parents=True, exist_ok=True)
+                (opts.keep / f"{name}-{i + 1}.txt").write_text(out)
             for label, (value, unit) in figures(out).items():
                 seen[name].setdefault(label, []).append(value)
                 units[label] = unit

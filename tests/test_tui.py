@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from textual.widgets._footer import FooterKey
 
 from collectors import wire
 from rtop.fmt import NA
@@ -164,6 +165,24 @@ async def test_views_and_help_open_and_close():
             assert word in text, key
             await pilot.press("escape")
             await until(pilot, lambda cls=cls: not isinstance(app.screen, cls))
+
+
+async def test_help_covers_the_overview_keys():
+    """Under the help, the overview's keys neither act nor show in the footer."""
+    app = make_app(fixture_source("starved", 22.0))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: app.snapshots_seen > 0)
+        await pilot.press("question_mark")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        await pilot.press("s", "g")
+        assert app.overview.sort_key == "worst" and not app.overview.grouped
+        await pilot.pause(0.2)
+        shown = [key.description for key in app.screen.query(FooterKey)]
+        assert "close" in shown and "group by node" not in shown, shown
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        await pilot.press("s")
+        assert app.overview.sort_key != "worst"
 
 
 async def test_replay_controls():

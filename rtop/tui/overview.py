@@ -76,14 +76,6 @@ class OverviewScreen(Screen[None]):
         self._source: tuple[str, bool] | None = None  # the source's last word
         self._drawn = False  # the widgets exist: draw at once (else on_mount draws)
 
-    #: the overview's own keys: off (and out of the footer) while the help covers it
-    OWN_ACTIONS: ClassVar[frozenset[str]] = frozenset({
-        "sort", "reverse", "worst", "group", "filter", "clear", "fabric", "scaling", "goto"})
-
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """The overview's own keys only act while it is on top."""
-        return action not in self.OWN_ACTIONS or self.app.screen is self
-
     # ---- layout -----------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:

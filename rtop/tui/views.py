@@ -167,3 +167,4 @@ class HelpScreen(ModalScreen[None]):
         with VerticalScroll():
             yield Static(Text("rtop — keys", "bold"))
             yield Static(t)
+        yield Footer()  # over the overview's: the keys that work here
