@@ -20,10 +20,15 @@ def num(x: object) -> float | None:
     return None if math.isnan(x) else float(x)
 
 
+def fmt_num(x: object, spec: str, scale: float = 1.0) -> str:
+    """``x × scale`` in the format ``spec`` (``".3g"``, ``".0%"``, ...)."""
+    v = num(x)
+    return NA if v is None else f"{v * scale:{spec}}"
+
+
 def fixed(x: object, scale: float = 1.0, digits: int = 1) -> str:
     """``x × scale`` with ``digits`` decimals (a table column of one unit)."""
-    v = num(x)
-    return NA if v is None else f"{v * scale:.{digits}f}"
+    return fmt_num(x, f".{digits}f", scale)
 
 
 def fmt_ms(x: object) -> str:

@@ -18,15 +18,15 @@ from typing import Any
 
 from rtop.analysis.kinds import KINDS
 from rtop.analysis.window import measured
-from rtop.fmt import NA
+from rtop.fmt import NA, fmt_num
 
 Evidence = Mapping[str, Any]
 GB = 1e9
 
 
-def num(x: float | None, fmt: str, scale: float = 1.0) -> str:
-    """``x / scale`` in ``fmt``, or "n/a" when it was not measured."""
-    return f"{x / scale:{fmt}}" if measured(x) else NA
+def gb(x: object) -> str:
+    """Bytes (or bytes per second) in GB, three significant figures."""
+    return fmt_num(x, ".3g", 1 / GB)
 
 
 def ms(x: float | None) -> str:
@@ -90,7 +90,7 @@ def _lost_rank(ranks: Sequence[int], ev: Evidence) -> str:
     r = _first(ranks, ev)
     last_step = r.get("last_step")
     text = (f"{names(ranks)} stopped reporting (last step "
-            f"{NA if last_step is None else last_step}, {num(r.get('silent_s'), '.0f')} s "
+            f"{NA if last_step is None else last_step}, {fmt_num(r.get('silent_s'), '.0f')} s "
             "ago): the process likely died or its node went away; the others will block in "
             "the next collective.")
     then = _count(ev, "lost_after_count", "lost_after_them")
@@ -104,14 +104,14 @@ def _hung_rank(ranks: Sequence[int], ev: Evidence) -> str:
     peers = _count(ev, "peers_waiting_count", "peers_waiting_in_collective")
     waiting = f"; {peers} peers wait for it in the allreduce" if peers else ""
     return (f"{names(ranks)} {_verb(ranks, 'has', 'have')} been stuck in "
-            f"{r.get('phase') or NA} for {num(r.get('phase_s'), '.0f')} s (a step takes "
+            f"{r.get('phase') or NA} for {fmt_num(r.get('phase_s'), '.0f')} s (a step takes "
             f"{ms(ev.get('median_step_s'))}){waiting}.")
 
 
 def _input_bound(ranks: Sequence[int], ev: Evidence) -> str:
     who = "The rank waits" if ev.get("ranks") == 1 else "Every rank waits"
     return (f"{who} {ms(ev.get('data_wait_s_median'))} per step for data "
-            f"({num(ev.get('data_wait_share_median'), '.0%')} of the step): the input "
+            f"({fmt_num(ev.get('data_wait_share_median'), '.0%')} of the step): the input "
             "pipeline, not any one rank, sets the pace.")
 
 
@@ -135,14 +135,14 @@ def _starved_rank(ranks: Sequence[int], ev: Evidence) -> str:
 
 def _clocks(c: Evidence) -> str:
     reasons = c.get("throttle_reasons") or []
-    return (f"its GPU clocks are held at {num(c.get('sm_clock_mhz'), '.0f')} of "
-            f"{num(c.get('sm_clock_max_mhz'), '.0f')} MHz"
+    return (f"its GPU clocks are held at {fmt_num(c.get('sm_clock_mhz'), '.0f')} of "
+            f"{fmt_num(c.get('sm_clock_max_mhz'), '.0f')} MHz"
             + (f" ({', '.join(reasons)})" if reasons else ""))
 
 
 def _host_cpu_shared(c: Evidence) -> str:
     load = c.get("load_avg_1m")
-    return (f"its host's CPUs are saturated ({num(c.get('host_cpu_pct'), '.0f')}%"
+    return (f"its host's CPUs are saturated ({fmt_num(c.get('host_cpu_pct'), '.0f')}%"
             + (f", load {load:.1f}" if measured(load) else "")
             + "): the processes there compete for cores")
 
@@ -150,12 +150,13 @@ def _host_cpu_shared(c: Evidence) -> str:
 #: How each cause of a straggler reads, from the slow rank's counters.
 STRAGGLER_CAUSES: dict[str, Callable[[Evidence], str]] = {
     "clocks": _clocks,
-    "power_cap": lambda c: (f"it runs at its power cap ({num(c.get('power_w'), '.0f')} of "
-                            f"{num(c.get('power_limit_w'), '.0f')} W)"),
-    "hot": lambda c: f"it is hot ({num(c.get('temp_c'), '.0f')} °C)",
+    "power_cap": lambda c: (f"it runs at its power cap ({fmt_num(c.get('power_w'), '.0f')} of "
+                            f"{fmt_num(c.get('power_limit_w'), '.0f')} W)"),
+    "hot": lambda c: f"it is hot ({fmt_num(c.get('temp_c'), '.0f')} °C)",
     "gpu_model": lambda c: (f"it has a different GPU ({c.get('gpu') or NA}, the others "
                             f"{c.get('peers_gpu') or NA})"),
-    "host_cpu": lambda c: f"its host's CPUs are saturated ({num(c.get('host_cpu_pct'), '.0f')}%)",
+    "host_cpu": lambda c: (f"its host's CPUs are saturated "
+                           f"({fmt_num(c.get('host_cpu_pct'), '.0f')}%)"),
     "host_cpu_shared": _host_cpu_shared,
 }
 
@@ -186,17 +187,17 @@ def _straggler(ranks: Sequence[int], ev: Evidence) -> str:
 def _gpu_throttled(ranks: Sequence[int], ev: Evidence) -> str:
     r = _first(ranks, ev)
     reasons = ", ".join(x.replace("_", " ") for x in r.get("reasons") or ()) or NA
-    return (f"{names(ranks)}'s GPU runs at {num(r.get('sm_clock_mhz'), '.0f')} of "
-            f"{num(r.get('sm_clock_max_mhz'), '.0f')} MHz, held down by {reasons}.")
+    return (f"{names(ranks)}'s GPU runs at {fmt_num(r.get('sm_clock_mhz'), '.0f')} of "
+            f"{fmt_num(r.get('sm_clock_max_mhz'), '.0f')} MHz, held down by {reasons}.")
 
 
 def _slow_link(ranks: Sequence[int], ev: Evidence) -> str:
     best, expected = ev.get("busbw_best_Bps"), ev.get("expected_busbw_Bps")
     nodes = _count(ev, "node_count", "nodes")
     where = f"between {nodes} nodes" if nodes > 1 else "within the node"
-    return (f"The allreduce runs at {num(best, '.3g', GB)} GB/s bus bandwidth {where}, "
-            f"{num(_ratio(best, expected), '.0%')} of what {ev.get('fabric') or NA} should "
-            f"give ({num(expected, '.3g', GB)} GB/s); a slow link slows every rank of the "
+    return (f"The allreduce runs at {gb(best)} GB/s bus bandwidth {where}, "
+            f"{fmt_num(_ratio(best, expected), '.0%')} of what {ev.get('fabric') or NA} should "
+            f"give ({gb(expected)} GB/s); a slow link slows every rank of the "
             "ring alike.")
 
 
@@ -205,7 +206,7 @@ def _low_scaling_efficiency(ranks: Sequence[int], ev: Evidence) -> str:
     last = what_if[-1] if what_if else {}
     more = f" (at {last['ranks']} ranks, {last['efficiency']:.0%})." \
         if measured(last.get("efficiency")) else "."
-    return (f"Only {num(ev.get('efficiency'), '.0%')} of each step is compute: "
+    return (f"Only {fmt_num(ev.get('efficiency'), '.0%')} of each step is compute: "
             f"{ms(ev.get('comm_exposed_s'))} of allreduce is not hidden behind "
             f"{ms(ev.get('compute_s'))} of compute{more}")
 
@@ -214,15 +215,15 @@ def _memory_wall(ranks: Sequence[int], ev: Evidence) -> str:
     r = _first(ranks, ev)
     used, cap, headroom = r.get("used_bytes"), r.get("capacity_bytes"), r.get("headroom_bytes")
     if measured(used) and measured(cap) and used >= cap:
-        return (f"{names(ranks)} {_verb(ranks, 'uses', 'use up to')} {num(used, '.3g', GB)} "
-                f"GB, more than the {num(cap, '.3g', GB)} GB {_verb(ranks, 'it has', 'each has')}"
+        return (f"{names(ranks)} {_verb(ranks, 'uses', 'use up to')} {gb(used)} "
+                f"GB, more than the {gb(cap)} GB {_verb(ranks, 'it has', 'each has')}"
                 ": out of memory or about to be.")
     if measured(r.get("steps_to_oom")):
-        return (f"{names(ranks)}'s memory grows {num(r.get('growth_Bps'), '.3g', 1e6)} MB/s "
-                f"and fills its {num(cap, '.3g', GB)} GB in about "
-                f"{num(r.get('steps_to_oom'), '.0f')} steps.")
-    return (f"{names(ranks)} {_verb(ranks, 'has', 'have')} {num(headroom, '.3g', GB)} GB of "
-            f"{num(cap, '.3g', GB)} GB left at its peak ({num(_ratio(headroom, cap), '.0%')}): "
+        return (f"{names(ranks)}'s memory grows {fmt_num(r.get('growth_Bps'), '.3g', 1e-6)} MB/s "
+                f"and fills its {gb(cap)} GB in about "
+                f"{fmt_num(r.get('steps_to_oom'), '.0f')} steps.")
+    return (f"{names(ranks)} {_verb(ranks, 'has', 'have')} {gb(headroom)} GB of "
+            f"{gb(cap)} GB left at its peak ({fmt_num(_ratio(headroom, cap), '.0%')}): "
             "the next larger batch or sequence will not fit.")
 
 
@@ -236,11 +237,11 @@ def _checkpoint_interval(ranks: Sequence[int], ev: Evidence) -> str:
     mtbf_h = _ratio(ev.get("gpu_mtbf_h"), n)  # as the detector computes it, unrounded
     if mtbf_h is None and measured(ev.get("job_mtbf_s")):
         mtbf_h = ev["job_mtbf_s"] / 3600
-    return (f"Checkpoints take {num(ev.get('checkpoint_s'), '.1f')} s every "
-            f"{num(interval, '.0f')} s: {how} for {NA if n is None else n} GPUs (job MTBF "
-            f"{num(mtbf_h, '.0f')} h); every {duration(opt)} would cost "
-            f"{num(ev.get('overhead_at_optimum'), '.1%')} of the run instead of "
-            f"{num(ev.get('overhead_now'), '.1%')}.")
+    return (f"Checkpoints take {fmt_num(ev.get('checkpoint_s'), '.1f')} s every "
+            f"{fmt_num(interval, '.0f')} s: {how} for {NA if n is None else n} GPUs (job MTBF "
+            f"{fmt_num(mtbf_h, '.0f')} h); every {duration(opt)} would cost "
+            f"{fmt_num(ev.get('overhead_at_optimum'), '.1%')} of the run instead of "
+            f"{fmt_num(ev.get('overhead_now'), '.1%')}.")
 
 
 SUMMARIES: dict[str, Callable[[Sequence[int], Evidence], str]] = {
