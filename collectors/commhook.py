@@ -117,20 +117,31 @@ def install(probe: Probe, model: Any) -> str:
 
     def rtop_timed_allreduce(state: object, bucket: Any) -> Any:
         p = box[0]
-        cuda = p.cuda
-        entry: list[Any] = [
-            cuda.record() if cuda is not None else clock(), None, bucket.buffer().nbytes
-        ]
-        steps = p.comm.buckets
-        if steps is not None and len(steps) < MAX_BUCKETS_PER_STEP:
-            steps.append(entry)
-        if bucket.is_last():
-            p.activity.enter("comm", clock())
+        comm = p.comm
+        hook = inner["hook"]
+        if comm.failed:  # timing off: only the allreduce it wraps
+            comm.buckets = None
+            return hook(inner["state"], bucket)
+        try:  # guard point "commhook.launch": rtop's part only, never the allreduce
+            cuda = p.cuda
+            entry: list[Any] = [
+                cuda.record() if cuda is not None else clock(), None, bucket.buffer().nbytes
+            ]
+            steps = comm.buckets
+            if steps is not None and len(steps) < MAX_BUCKETS_PER_STEP:
+                steps.append(entry)
+            if bucket.is_last():
+                p.activity.enter("comm", clock())
+        except Exception as exc:
+            comm.fail("commhook.launch", exc)
+            return hook(inner["state"], bucket)
 
         def mark_done() -> None:
-            entry[1] = cuda.record() if cuda is not None else clock()
+            try:  # guard point "commhook.done"
+                entry[1] = cuda.record() if cuda is not None else clock()
+            except Exception as exc:
+                comm.fail("commhook.done", exc)
 
-        hook = inner["hook"]
         if hook is default_hook:  # time inside the default hook's own callback
             return default_hook(inner["state"], bucket, mark_done)
 

@@ -85,9 +85,13 @@ def install(probe: Probe, model: Any) -> str:
         clock = time.perf_counter
 
         def rtop_backward_done(param: Any) -> None:
-            act = box[0].activity
-            if act.in_step:
-                act.enter("comm", clock())
+            p = box[0]
+            try:
+                act = p.activity
+                if act.in_step and not p.comm.failed:
+                    act.enter("comm", clock())
+            except Exception as exc:  # guard point "ddptimer.backward"
+                p.comm.fail("ddptimer.backward", exc)
 
         register = getattr(first, "register_post_accumulate_grad_hook", None)
         if register is not None:  # torch >= 2.1; without it the phase stays "compute"
@@ -137,16 +141,17 @@ def read(comm: CommTiming) -> DdpStamps | None:
     try:
         logger.set_runtime_stats_and_log()  # what DDP's next forward would do
         ints = logger._get_ddp_logging_data().ints_map
-    except Exception:  # never break the job because of rtop
+        iteration = ints.get("iteration")
+        if iteration is None or iteration == comm.ddp_iteration:
+            return ()
+        comm.ddp_iteration = iteration
+        return (
+            int(ints.get("backward_comm_time_start", 0)),
+            int(ints.get("backward_compute_time_end", 0)),
+            int(ints.get("backward_comm_time_end", 0)),
+            int(ints.get("num_buckets_reduced", 0)),
+            time.time_ns(),
+        )
+    except Exception as exc:  # guard point "ddptimer.read": never break the job
+        comm.fail("ddptimer.read", exc)
         return None
-    iteration = ints.get("iteration")
-    if iteration is None or iteration == comm.ddp_iteration:
-        return ()
-    comm.ddp_iteration = iteration
-    return (
-        ints.get("backward_comm_time_start", 0),
-        ints.get("backward_compute_time_end", 0),
-        ints.get("backward_comm_time_end", 0),
-        ints.get("num_buckets_reduced", 0),
-        time.time_ns(),
-    )

@@ -14,7 +14,9 @@ the GIL, and the sender thread only reads).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -58,7 +60,8 @@ class CommTiming:
     exit). Neither: collectives are not timed, and the step says so (``None``).
     """
 
-    __slots__ = ("buckets", "ddp_iteration", "ddp_logger", "ddp_model", "nbytes", "world")
+    __slots__ = ("buckets", "ddp_iteration", "ddp_logger", "ddp_model", "failed", "nbytes",
+                 "on_failure", "world")
 
     def __init__(self) -> None:
         #: This step's bucket entries while the comm hook times the allreduce, else None.
@@ -73,21 +76,36 @@ class CommTiming:
         self.ddp_iteration: int | None = None
         #: A weak reference to the DDP model timed by its own timer, until released.
         self.ddp_model: Any = None
+        #: True once timing failed (:meth:`fail`): collectives are not measured from then.
+        self.failed = False
+        #: Told ``(point, error)`` when timing fails (the probe's fault record).
+        self.on_failure: Callable[[str, BaseException], Any] | None = None
 
     @property
     def measured(self) -> bool:
         """Whether the collectives are timed at all."""
         return self.buckets is not None or self.ddp_logger is not None
 
+    def fail(self, point: str, error: BaseException) -> None:
+        """Timing the collectives failed at ``point`` (``collectors.guard``): stop, and
+        report the steps' collective figures as not measured from now on."""
+        self.failed = True
+        self.buckets = None
+        self.ddp_logger = None
+        callback = self.on_failure
+        if callback is not None:
+            with contextlib.suppress(Exception):  # the report must not break the job
+                callback(point, error)
+
     def use_hook(self, world: int) -> None:
         """rtop's comm hook times each bucket from now on (``collectors.commhook``)."""
         self.world = world
-        self.buckets = []
+        self.buckets = [] if not self.failed else None
 
     def use_ddp_timer(self, logger: Any, world: int, nbytes: int, model_ref: Any) -> None:
         """DDP's own timer times the allreduce from now on (``collectors.ddptimer``)."""
         self.world = world
         self.nbytes = nbytes
         self.ddp_iteration = None
-        self.ddp_logger = logger
+        self.ddp_logger = logger if not self.failed else None
         self.ddp_model = model_ref

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -82,6 +83,9 @@ class MemorySampler:
         self._models: weakref.WeakSet[Any] = weakref.WeakSet()
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._cuda_index: int | None = None
+        #: Bytes NVML counts for this process on its GPU (the sender sets it to the
+        #: GPU sampler's reader); None where it cannot tell.
+        self.process_bytes: Callable[[], int | None] | None = None
         self._static: tuple[int | None, int | None, int | None] = (None, None, None)
         self._count = 0
         self._peak_rss = 0
@@ -124,14 +128,24 @@ class MemorySampler:
     def sample(self, t_wall: float) -> list[Any]:
         """One row in the order of ``collectors.schema.MEM_FIELDS``."""
         params, grads, optim = self._static_now()
+        process: int | None = None
         if self._cuda_index is not None:
-            import torch
+            from collectors import cuda_events
 
+            cuda = cuda_events.cuda_module()
             idx = self._cuda_index
-            used: int | None = int(torch.cuda.memory_allocated(idx))
-            reserved: int | None = int(torch.cuda.memory_reserved(idx))
-            peak: int | None = int(torch.cuda.max_memory_reserved(idx))
-            capacity: int | None = int(torch.cuda.get_device_properties(idx).total_memory)
+            used: int | None = int(cuda.memory_allocated(idx))
+            reserved: int | None = int(cuda.memory_reserved(idx))
+            peak: int | None = int(cuda.max_memory_reserved(idx))
+            capacity: int | None = int(cuda.get_device_properties(idx).total_memory)
+            reader = self.process_bytes
+            process = reader() if reader is not None else None
+            if process is not None and reserved is not None and peak is not None:
+                # Rebase the allocator's peak onto the device: what the process holds
+                # outside the allocator (CUDA context, NCCL buffers, cuBLAS workspace)
+                # is there at the peak too. The allocator's own peak counter is left
+                # alone (resetting it would change what the job itself reads).
+                peak += max(0, process - reserved)
         else:
             try:
                 used = int(self._proc.memory_info().rss)
@@ -141,4 +155,5 @@ class MemorySampler:
             reserved, peak, capacity = None, self._peak_rss, self._cpu_capacity
         if self._capacity_override:
             capacity = self._capacity_override
-        return [t_wall, self.device, used, reserved, peak, capacity, params, grads, optim]
+        return [t_wall, self.device, used, reserved, peak, capacity, params, grads, optim,
+                process]

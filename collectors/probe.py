@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 from collectors import ddptimer
 from collectors.config import ProbeConfig
 from collectors.cuda_events import EventPool
+from collectors.guard import Faults
 from collectors.handover import Activity, CommTiming
 from collectors.identity import Identity
 from collectors.memory import MemorySampler
@@ -73,28 +74,47 @@ class TimedIterable(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         probe = self._probe
-        act = probe.activity
-        act.thread_id = threading.get_ident()
         it = iter(self._iterable)
+        if probe._iter_off:
+            yield from it
+            return
+        act = probe.activity
         clock = time.perf_counter
+        try:
+            act.thread_id = threading.get_ident()
+        except Exception as exc:  # guard point "iter": never raise into the job
+            probe._fault("iter", exc)
+            yield from it
+            return
         while True:
-            t0 = clock()
-            act.phase, act.since = "data", t0
             try:
-                item = next(it)
+                t0 = clock()
+                act.phase, act.since = "data", t0
+            except Exception as exc:
+                probe._fault("iter", exc)
+                yield from it
+                return
+            try:
+                item = next(it)  # the loader's own exceptions are the job's: they propagate
             except StopIteration:
                 act.phase, act.since = "idle", clock()
                 return
-            t1 = clock()
-            if probe._wait_t0 is None:
-                probe._wait_t0 = t0
-                probe._wait_s = t1 - t0
-            else:
-                probe._wait_s = (probe._wait_s or 0.0) + (t1 - t0)
-            n = batch_size(item)
-            if n is not None:
-                probe._samples = (probe._samples or 0) + n
-            act.phase, act.since = "idle", t1
+            try:
+                t1 = clock()
+                if probe._wait_t0 is None:
+                    probe._wait_t0 = t0
+                    probe._wait_s = t1 - t0
+                else:
+                    probe._wait_s = (probe._wait_s or 0.0) + (t1 - t0)
+                n = batch_size(item)
+                if n is not None:
+                    probe._samples = (probe._samples or 0) + n
+                act.phase, act.since = "idle", t1
+            except Exception as exc:
+                probe._fault("iter", exc)
+                yield item
+                yield from it
+                return
             yield item
 
 
@@ -111,15 +131,20 @@ class _StepTimer:
     def __enter__(self) -> Probe:
         p = self._p
         a = self._a
-        a.depth += 1
-        if a.depth == 1:
-            t = time.perf_counter()
-            p._t_enter = t
-            a.phase, a.since = "compute", t
-            if a.thread_id is None:
-                a.thread_id = threading.get_ident()
-            if p.cuda is not None:
-                p._cuda_start = p.cuda.record()
+        try:
+            a.depth += 1
+            if a.depth == 1:
+                t = time.perf_counter()
+                p._t_enter = t
+                a.phase, a.since = "compute", t
+                if a.thread_id is None:
+                    a.thread_id = threading.get_ident()
+                if p.cuda is not None:
+                    p._cuda_start = p.cuda.record()
+                if p.device_wanted:
+                    p._answer_device()
+        except Exception as exc:  # guard point "step.enter": never raise into the job
+            p._fault("step.enter", exc)
         return p
 
     def __exit__(
@@ -130,37 +155,61 @@ class _StepTimer:
     ) -> Literal[False]:
         p = self._p
         a = self._a
-        a.depth -= 1
-        if a.depth > 0:
-            return False
-        if a.depth < 0:  # exit without enter: ignore rather than break the job
-            a.depth = 0
-            return False
-        t = time.perf_counter()
-        cuda_pair = None
-        cuda = p.cuda
-        if cuda is not None and p._cuda_start is not None:
-            cuda_pair = (p._cuda_start, cuda.record())
-            p._cuda_start = None
-        comm = self._c
-        buckets: list[Any] | tuple[int, ...] | None = comm.buckets
-        if buckets is not None:
-            comm.buckets = []
-        elif comm.ddp_logger is not None:
-            buckets = ddptimer.read(comm)
-        t_start = p._wait_t0 if p._wait_t0 is not None else p._t_enter
-        gap = t_start - p._prev_exit if p._prev_exit is not None else None
-        record: RawStep = (
-            p._step, t_start, p._wait_s, p._t_enter, t, p._samples, buckets, gap, cuda_pair,
-        )
-        if len(p.records) < p._capacity:
-            p.records.append(record)
-        else:
-            p.dropped_buffer += 1
-        p._wait_t0 = p._wait_s = p._samples = None
-        p._prev_exit = t
-        p._step += 1
-        a.phase, a.since = "idle", t
+        try:
+            a.depth -= 1
+            if a.depth > 0:
+                return False
+            if a.depth < 0:  # exit without enter: ignore rather than break the job
+                a.depth = 0
+                return False
+            t = time.perf_counter()
+            cuda_pair = None
+            cuda = p.cuda
+            start = p._cuda_start
+            if start is not None:
+                p._cuda_start = None
+                end = cuda.record() if cuda is not None else None
+                if end is not None:
+                    cuda_pair = (start, end)
+                elif cuda is not None:
+                    cuda.release(start)
+            comm = self._c
+            buckets: list[Any] | tuple[int, ...] | None = comm.buckets
+            if buckets is not None:
+                comm.buckets = []
+            elif comm.ddp_logger is not None:
+                buckets = ddptimer.read(comm)
+            t_start = p._wait_t0 if p._wait_t0 is not None else p._t_enter
+            gap = t_start - p._prev_exit if p._prev_exit is not None else None
+            record: RawStep = (
+                p._step, t_start, p._wait_s, p._t_enter, t, p._samples, buckets, gap,
+                cuda_pair,
+            )
+            if len(p.records) < p._capacity:
+                p.records.append(record)
+            else:
+                p.dropped_buffer += 1
+            p._wait_t0 = p._wait_s = p._samples = None
+            p._prev_exit = t
+            p._step += 1
+            a.phase, a.since = "idle", t
+        except Exception as error:  # guard point "step.exit": never raise into the job
+            p._fault("step.exit", error)
+        return False
+
+
+class _NoStep:
+    """What ``probe.step()`` returns once step timing is off: does nothing."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, probe: Probe) -> None:
+        self._p = probe
+
+    def __enter__(self) -> Probe:
+        return self._p
+
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
 
@@ -229,8 +278,18 @@ class Probe:
         self._t_enter = 0.0
         self._prev_exit: float | None = None
         self._cuda_start: Any = None
-        self._step_timer = _StepTimer(self)
+        self._step_timer: _StepTimer | _NoStep = _StepTimer(self)
+        self._iter_off = False
+        #: Notes for the hub (what is measured and how; what was turned off and why).
         self.notes: list[str] = []
+        #: Features turned off after a failure at one of ``collectors.guard``'s points.
+        self.faults = Faults(self.notes)
+        self.comm.on_failure = self._fault
+        #: Set by the sender when it needs the training thread's current CUDA device
+        #: (no CUDA model watched): answered at the next step entry (:attr:`cuda_device`).
+        self.device_wanted = False
+        #: ``torch.cuda.current_device()`` as the training thread saw it, once asked.
+        self.cuda_device: int | None = None
         self.exit_reason = ""
         self.exit_error: str | None = None  # an uncaught exception, when we saw one
         self.memory = MemorySampler(self.config.memory_capacity_bytes)
@@ -246,9 +305,11 @@ class Probe:
     def iter(self, iterable: Iterable[T]) -> TimedIterable[T]:
         """Wrap a data loader (torch DataLoader, Ray Data iterator, any iterable) so
         the time blocked in each ``next()`` is measured as data wait."""
+        if self._iter_off:
+            return iterable  # type: ignore[return-value]
         return TimedIterable(self, iterable)
 
-    def step(self) -> _StepTimer:
+    def step(self) -> _StepTimer | _NoStep:
         """Context manager around one training step (forward, backward, optimizer)."""
         return self._step_timer
 
@@ -279,11 +340,15 @@ class Probe:
         self.memory.watch(model, optimizer)
         if torch is None or model is None:
             return
+        self._answer_device()  # on the training thread: its current CUDA device
         if self.cuda is None and self.memory.device.startswith("cuda"):
             from collectors.cuda_events import torch_cuda_pool
 
-            self.use_cuda_events(torch_cuda_pool())
-            self._sender.use_cuda_device(int(self.memory.device.split(":")[1]))
+            index = int(self.memory.device.split(":")[1])
+            # tied to the model's device: recorded on its stream whatever device is
+            # current on the recording thread (the training thread may be on cuda:0)
+            self.use_cuda_events(torch_cuda_pool(index))
+            self._sender.use_cuda_device(index)
         ddp = torch.nn.parallel.DistributedDataParallel
         if not isinstance(model, ddp):
             return
@@ -303,8 +368,51 @@ class Probe:
     def use_cuda_events(self, pool: EventPool) -> None:
         """Time steps (and the comm hook's buckets) with ``pool``'s CUDA events from now
         on; the sender resolves them once the GPU has passed them. ``watch`` does this
-        for a model on CUDA; tests give a pool of fake events."""
+        for a model on CUDA; tests give a pool of fake events. A failure to record an
+        event turns CUDA timing off (one warning, a note), never raises into the job."""
+        pool.on_failure = self._cuda_failed
         self.cuda = pool
+
+    # ---- failures on the training thread (collectors.guard) -----------------------
+
+    def _fault(self, point: str, error: BaseException | str) -> None:
+        """One of ``collectors.guard``'s points failed: turn its feature off (warn once,
+        note it for the hub). Never raises."""
+        try:
+            if not self.faults.failed(point, error):
+                return
+            if point.startswith(("step.", "iter")):
+                self.activity.depth = 0
+                self._cuda_start = None
+            if point.startswith("step."):
+                self._step_timer = _NoStep(self)
+            elif point == "iter":
+                self._iter_off = True
+                self._wait_t0 = self._wait_s = self._samples = None
+            elif point.startswith(("commhook.", "ddptimer.")) and not self.comm.failed:
+                self.comm.fail(point, error if isinstance(error, BaseException)
+                               else RuntimeError(error))
+        except Exception:
+            pass
+
+    def _cuda_failed(self, why: str) -> None:
+        """The event pool could not record: steps are timed on the host from now on."""
+        self.cuda = None
+        self._fault("cuda.record", why)
+
+    def _answer_device(self) -> None:
+        """On the training thread: note its current CUDA device for the sender."""
+        self.device_wanted = False
+        if "torch" not in sys.modules:
+            return
+        from collectors import cuda_events
+
+        try:
+            cuda = cuda_events.cuda_module()
+            if cuda.is_initialized():
+                self.cuda_device = int(cuda.current_device())
+        except Exception as exc:
+            log.debug("rtop: could not read the current CUDA device: %r", exc)
 
     # ---- state and shutdown ------------------------------------------------------
 

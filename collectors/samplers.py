@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 Record = tuple[str, list[Any]]
 
 MAX_STACK_CHARS = 16_000
+#: The GPU must have sat in one collective this long before the heartbeat says "comm"
+#: (every healthy step spends a few milliseconds there).
+GPU_COMM_AFTER_S = 1.0
 STACK_REPEAT_S = 5.0
 
 
@@ -59,17 +62,29 @@ class HeartbeatSampler:
     name = "hb"
 
     def __init__(self, activity: Activity, steps_done: Callable[[], int],
-                 stack_after_s: float) -> None:
+                 stack_after_s: float,
+                 gpu_collective: Callable[[], float | None] | None = None) -> None:
         self._activity = activity
         self._steps_done = steps_done
         self._stack_after_s = stack_after_s
+        self._gpu_collective = gpu_collective
         self._last_stack_t = -1e9
 
     def sample(self, t_wall: float) -> list[Record]:
-        """One heartbeat row: ``[t_wall, phase, phase_s, step, stack]``."""
+        """One heartbeat row: ``[t_wall, phase, phase_s, step, stack]``.
+
+        On a GPU the phase is "comm" once the GPU has sat in one collective for
+        ``GPU_COMM_AFTER_S`` (``gpu_collective``: since when, on the ``perf_counter``
+        clock), whatever the host does meanwhile: a hung allreduce shows as one, not as
+        "compute" or "idle"."""
         act = self._activity
         phase, since = act.phase, act.since
-        phase_s = max(0.0, time.perf_counter() - since)
+        now_pc = time.perf_counter()
+        if self._gpu_collective is not None:
+            in_collective = self._gpu_collective()
+            if in_collective is not None and now_pc - in_collective >= GPU_COMM_AFTER_S:
+                phase, since = "comm", in_collective
+        phase_s = max(0.0, now_pc - since)
         stack = None
         now = time.monotonic()
         if (
@@ -142,21 +157,26 @@ class GpuSampler:
 
     name = "gpu"
 
-    def __init__(self, local_rank: int, nvml: Any = None) -> None:
+    def __init__(self, local_rank: int, nvml: Any = None,
+                 training_device: Callable[[], int | None] | None = None) -> None:
         self._local_rank = local_rank
         self._module = nvml
+        self._training_device = training_device
         self._args: dict[str, Any] | None = None
         self._nvml: NvmlSampler | None = None
         self._made_with: dict[str, Any] | None = None
         self.generation = 0
 
     def use_cuda_device(self, index: int) -> None:
-        """The training device is ``cuda:index``: sample that GPU (any thread may call)."""
+        """The training device is ``cuda:index``: sample that GPU (any thread may call).
+
+        It is found in NVML by the device's UUID (exact whatever the ordering and
+        ``CUDA_VISIBLE_DEVICES``), else its PCI bus id."""
         args: dict[str, Any] = {"cuda_index": index, "local_rank": self._local_rank}
         try:
-            import torch
+            from collectors import cuda_events
 
-            props = torch.cuda.get_device_properties(index)
+            props = cuda_events.cuda_module().get_device_properties(index)
             uuid = getattr(props, "uuid", None)
             if uuid is not None:
                 args["uuid"] = str(uuid)
@@ -170,14 +190,22 @@ class GpuSampler:
         self._args = args
 
     def _sampler(self) -> NvmlSampler | None:
-        """The NVML sampler for the rank's GPU; made once the rank is known to use one."""
+        """The NVML sampler for the rank's GPU; made once the rank is known to use one.
+
+        Without a watched CUDA model, the GPU is the training thread's current CUDA
+        device (``training_device``, once ``torch.cuda`` is initialised), mapped to NVML
+        through its UUID: never a guess from the local rank, which is wrong under
+        per-task binding (``CUDA_VISIBLE_DEVICES=3``, ``LOCAL_RANK=3``)."""
         args = self._args
-        if args is None and "torch" in sys.modules:
-            torch = sys.modules["torch"]
+        if args is None and "torch" in sys.modules and self._training_device is not None:
+            from collectors import cuda_events
+
             try:
-                if torch.cuda.is_initialized():
-                    args = {"local_rank": self._local_rank}
-                    self._args = args
+                if cuda_events.cuda_module().is_initialized():
+                    index = self._training_device()
+                    if index is not None:
+                        self.use_cuda_device(index)
+                        args = self._args
             except Exception:
                 args = None
         if args is None:
@@ -192,11 +220,28 @@ class GpuSampler:
             self.generation += 1
         return self._nvml if self._nvml.available else None
 
+    def process_memory(self) -> int | None:
+        """Bytes NVML counts for this process on the rank's GPU (allocator, CUDA
+        context, NCCL buffers); None when unknown."""
+        nvml = self._nvml
+        if nvml is None or not nvml.available:
+            return None
+        reader = getattr(nvml, "process_memory", None)
+        return reader() if reader is not None else None
+
     def sample(self, t_wall: float) -> list[Record]:
         """One GPU row while NVML can read the rank's GPU, else nothing."""
         nvml = self._sampler()
         row = nvml.sample(t_wall) if nvml is not None else None
         return [] if row is None else [("gpu", row)]
+
+    def reason(self) -> str | None:
+        """Why the rank's GPU is not measured, once a sampler was made and could not
+        read it (no driver, a MIG instance not found, ...); else None."""
+        nvml = self._nvml
+        if nvml is None or nvml.available:
+            return None
+        return nvml.reason or None
 
     def info(self) -> dict[str, Any] | None:
         """The GPU's static facts, once an available NVML sampler has been made."""

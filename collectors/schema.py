@@ -71,11 +71,15 @@ MEM_FIELDS: Final = (
     "device",  # "cuda:N" or "cpu"
     "used_bytes",  # CUDA: torch allocated; CPU: process RSS
     "reserved_bytes",  # CUDA: torch reserved; CPU: None
-    "peak_bytes",  # CUDA: peak reserved; CPU: peak RSS
+    "peak_bytes",  # CUDA: peak reserved + what the process holds outside the allocator
+    #                (process_bytes - reserved_bytes: context, NCCL), so headroom =
+    #                capacity - peak is not overstated; CPU: peak RSS
     "capacity_bytes",  # CUDA: device total; CPU: min(machine RAM, cgroup limit)
     "param_bytes",  # parameters of the watched model(s)
     "grad_bytes",  # what their gradients take (parameters that require grad)
     "optim_bytes",  # tensors held in the watched optimizer's state
+    "process_bytes",  # CUDA: all the process holds on the GPU, per NVML (allocator,
+    #                   CUDA context, NCCL buffers); None when NVML cannot tell; CPU: None
 )
 
 #: Heartbeat, about once a second: what the training thread is doing right now.
@@ -96,6 +100,12 @@ EVENT_FIELDS: Final = (
 )
 
 PHASES: Final = ("idle", "data", "compute", "comm", "checkpoint")
+
+#: Fields added to a table after the first recordings were made. A table only grows at
+#: its end: a row from an older collector stops before these and reads them as None.
+ADDED_FIELDS: Final = {
+    "mem": ("process_bytes",),
+}
 
 #: Record tables by the key they travel under in a batch frame.
 TABLES: Final = {

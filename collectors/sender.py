@@ -33,7 +33,7 @@ from collectors.samplers import (
     TableSampler,
 )
 from collectors.schema import TABLES
-from collectors.steps import StepRecords
+from collectors.steps import CollectiveWatch, StepRecords
 
 if TYPE_CHECKING:
     from collectors.probe import Probe
@@ -71,17 +71,21 @@ class Sender(threading.Thread):
         # records waiting to be batched
         self._rows: dict[str, list[list[Any]]] = {key: [] for key in TABLES}
         self._n_rows = 0
-        self._steps = StepRecords(self._cfg.cuda_resolve_timeout_s)
+        self._steps = StepRecords(self._cfg.cuda_resolve_timeout_s,
+                                  on_error=self._step_error)
+        self._bound_pool: Any = None  # the event pool whose device this thread is on
+        self._collective = CollectiveWatch()
         self._seq = 0
         self._meta_dirty = True
         self._notes_sent: list[str] | None = None
         self._unencoded = 0  # records lost because their batch could not be encoded
         # samplers, run on this thread
-        self._gpu = GpuSampler(probe.identity.local_rank, nvml)
+        self._gpu = GpuSampler(probe.identity.local_rank, nvml, training_device=self._device)
         self._gpu_generation = 0
+        probe.memory.process_bytes = self._gpu.process_memory
         self.samplers: list[Sampler] = [
             HeartbeatSampler(probe.activity, lambda: probe.step_count,
-                             self._cfg.stack_after_s),
+                             self._cfg.stack_after_s, gpu_collective=self._gpu_collective),
             TableSampler("mem", probe.memory.sample),
             LazyHostSampler(),
             self._gpu,
@@ -131,19 +135,28 @@ class Sender(threading.Thread):
             while True:
                 stopping = self._stop_evt.is_set()
                 now = time.monotonic()
-                self._drain_steps(final=stopping)
-                if now >= next_sample or stopping:
+                if stopping:
+                    # the last round: each part guarded on its own, so that the goodbye
+                    # (carrying the job's exit error) goes out whatever fails before it
+                    for part in (self._final_drain, self._sample, self._flush):
+                        try:
+                            part()
+                        except Exception as exc:
+                            self._once(f"final-{part.__name__}", logging.WARNING,
+                                       "rtop: the collector's last %s failed: %r",
+                                       part.__name__.strip("_"), exc)
+                    self._finish()
+                    return
+                self._guarded("drain", self._drain_steps)
+                if now >= next_sample:
                     self._sample()
                     next_sample = now + self._cfg.sample_interval_s
-                if now >= next_flush or stopping or self._n_rows >= FLUSH_RECORDS:
-                    self._flush()
+                if now >= next_flush or self._n_rows >= FLUSH_RECORDS:
+                    self._guarded("flush", self._flush)
                     next_flush = now + self._cfg.flush_interval_s
                 if now >= next_clock:
                     self._steps.clock.refresh()
                     next_clock = now + CLOCK_REFRESH_S
-                if stopping:
-                    self._finish()
-                    return
                 self.connection.pump(now)
                 self._sleep(min(tick, max(0.0, min(next_flush, next_sample) - now) + 0.001))
         except Exception:
@@ -158,6 +171,14 @@ class Sender(threading.Thread):
             for fd in (self._wake_r, self._wake_w):
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+    def _guarded(self, what: str, part: Any) -> None:
+        """Run one part of a round; an error is logged once and the thread goes on."""
+        try:
+            part()
+        except Exception as exc:
+            self._once(f"part-{what}", logging.WARNING,
+                       "rtop: the collector's %s failed (it goes on): %r", what, exc)
 
     def _sleep(self, timeout: float) -> None:
         """Wait up to ``timeout`` for the hub to send something, or for stop()."""
@@ -179,7 +200,56 @@ class Sender(threading.Thread):
 
     # ---- steps -------------------------------------------------------------------
 
+    def _final_drain(self) -> None:
+        self._drain_steps(final=True)
+
+    def _bind_cuda(self) -> None:
+        """Before this thread's first CUDA call: make the watched device current here
+        (a new thread starts on device 0, where a query would open a CUDA context)."""
+        pool = self._p.cuda
+        if pool is None or pool is self._bound_pool:
+            return
+        self._bound_pool = pool
+        try:
+            pool.bind_thread()
+        except Exception as exc:
+            pool.fail(f"the collector's thread could not use cuda:{pool.device}: "
+                      f"{type(exc).__name__}: {exc}")
+
+    def _step_error(self, exc: BaseException) -> None:
+        """A step's events could not be read (a CUDA error): those steps are sent with
+        GPU figures not measured, and CUDA timing is turned off."""
+        self._once("step-error", logging.WARNING,
+                   "rtop: reading a step's CUDA events failed; the step is sent without "
+                   "GPU figures and CUDA timing is off from now on: %r", exc)
+        pool = self._p.cuda
+        if pool is not None and isinstance(exc, RuntimeError):
+            pool.fail(f"reading CUDA events failed: {type(exc).__name__}: {exc}")
+
+    def _gpu_collective(self) -> float | None:
+        """``perf_counter`` time since which the GPU has sat in one collective, if the
+        comm hook's CUDA events say it does (the heartbeat then reports "comm")."""
+        p = self._p
+        if p.cuda is None and self._steps.pending.oldest() is None:
+            return None
+        lists: list[list[Any]] = []
+        oldest = self._steps.pending.oldest()
+        if oldest is not None:
+            lists.append(oldest.buckets())
+        live = p.comm.buckets
+        if live:
+            lists.append(live)
+        return self._collective.check(lists, time.perf_counter()) if lists else None
+
+    def _device(self) -> int | None:
+        """The training thread's current CUDA device (asked for at its next step)."""
+        p = self._p
+        if p.cuda_device is None:
+            p.device_wanted = True
+        return p.cuda_device
+
     def _drain_steps(self, final: bool = False) -> None:
+        self._bind_cuda()
         p = self._p
         comm = p.comm
         rows = self._steps.drain(p.records, p.cuda, world=comm.world, nbytes=comm.nbytes,
@@ -217,6 +287,7 @@ class Sender(threading.Thread):
         return {
             "notes": list(p.notes),
             "device": self._gpu.info(),
+            "device_reason": self._gpu.reason(),
             "mem_device": p.memory.device,
             "comm_measured": p.comm.measured,
             "cuda_timing": p.cuda is not None,

@@ -108,6 +108,7 @@ class RankColumns(TypedDict):
     mem_param_bytes: Column
     mem_grad_bytes: Column
     mem_optim_bytes: Column
+    mem_process_bytes: Column  # CUDA: all the process holds on the GPU (NVML)
     # how long the current phase had lasted at the last heartbeat
     phase_s: Column
 

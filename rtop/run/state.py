@@ -20,7 +20,14 @@ import numpy as np
 
 from collectors import wire
 from collectors.identity import Identity
-from collectors.schema import GPU_FIELDS, HEARTBEAT_FIELDS, HOST_FIELDS, MEM_FIELDS, STEP_FIELDS
+from collectors.schema import (
+    ADDED_FIELDS,
+    GPU_FIELDS,
+    HEARTBEAT_FIELDS,
+    HOST_FIELDS,
+    MEM_FIELDS,
+    STEP_FIELDS,
+)
 from rtop.run.ring import Rings, nanmedian_rows
 from rtop.run.snapshot import NodeColumns, RankColumns, RankDetail, RunInfo, Status
 
@@ -73,9 +80,16 @@ def _num(x: Any) -> float:
 
 
 def _check_rows(name: str, rows: Any, width: int) -> list[list[Any]]:
+    """Rows of a table, each ``width`` long; rows from an older collector, shorter by
+    the table's ``ADDED_FIELDS``, are padded with None (not measured)."""
+    oldest = width - len(ADDED_FIELDS.get(name, ()))
     if not isinstance(rows, list) or not all(
-            isinstance(r, list) and len(r) == width for r in rows):
+            isinstance(r, list) and oldest <= len(r) <= width for r in rows):
         raise ProtocolError(f"malformed '{name}' rows (expected lists of {width} values)")
+    if oldest < width:
+        for r in rows:
+            if len(r) < width:
+                r.extend([None] * (width - len(r)))
     return rows
 
 

@@ -63,6 +63,60 @@ def memory_bar(split: dict[str, float], width: int = 60) -> Text:
     return text
 
 
+def memory_legend(detail: RankDetail) -> Text:
+    """Which memory figure is which, for the rank's device (the headroom's basis)."""
+    from collectors.schema import MEM_FIELDS
+
+    mem = detail.get("mem")
+    m = dict(zip(MEM_FIELDS, mem, strict=False)) if isinstance(mem, (list, tuple)) else {}
+    text = Text("\n")
+    if str(m.get("device") or "").startswith("cuda"):
+        process, reserved = num(m.get("process_bytes")), num(m.get("reserved_bytes"))
+        text.append("Figures: used = the allocator's allocated; peak = the allocator's peak "
+                    "reserve", "dim")
+        if process is not None and reserved is not None:
+            text.append(f" + {fmt_bytes(max(0.0, process - reserved))} held outside it "
+                        f"(CUDA context, NCCL buffers: NVML counts {fmt_bytes(process)} for "
+                        f"this process, the allocator reserves {fmt_bytes(reserved)})", "dim")
+        else:
+            text.append(" only: NVML could not say what the process holds outside it (CUDA "
+                        "context, NCCL buffers), so the headroom may be overstated", "yellow")
+        text.append("; capacity = the device's total.", "dim")
+    else:
+        text.append("Figures: used = the process's resident memory; peak = its high-water "
+                    "mark; capacity = the machine's memory or the cgroup's limit, whichever "
+                    "is smaller.", "dim")
+    return text
+
+
+def collector_notes(detail: RankDetail) -> Text:
+    """The rank's collector notes: what is measured and how, and what rtop turned off
+    after an error (in yellow)."""
+    meta = detail.get("meta") or {}
+    notes = [n for n in meta.get("notes") or [] if isinstance(n, str)]
+    device = meta.get("device")
+    text = Text()
+    if isinstance(device, dict) and device.get("name"):
+        text.append("\nGPU ", "bold")
+        text.append(f"{device.get('name')}  {device.get('uuid') or ''}")
+        if device.get("mig"):
+            text.append("  (a MIG instance)")
+        window = device.get("pcie_window")
+        if window == "20ms":
+            text.append("\n  PCIe figures are 20 ms snapshots (this driver has no PCIe byte "
+                        "counters): read them as noisy.", "dim")
+        elif window == "interval":
+            text.append("\n  PCIe figures are averaged over each sampling interval.", "dim")
+    elif isinstance(meta.get("device_reason"), str):
+        text.append(f"\nGPU not measured: {meta['device_reason']}", "yellow")
+    if notes:
+        text.append("\nCollector notes\n", "bold")
+        for note in notes[-8:]:
+            style = "yellow" if note.startswith("rtop turned off") else "dim"
+            text.append(f"  {note}\n", style)
+    return text
+
+
 class Series(Horizontal):
     """A label with the median and latest value, and a sparkline."""
 
@@ -199,6 +253,7 @@ class RankScreen(Screen[None]):
                            "dim")
             elif per_step is not None:
                 mem.append("\nMemory is flat: no wall ahead at this batch size.", "green")
+            mem.append_text(memory_legend(d))
         else:
             mem.append("Memory: not reported yet", "dim")
         self.query_one("#memory", Static).update(mem)
@@ -215,6 +270,7 @@ class RankScreen(Screen[None]):
             ev.append("Events\n", "bold")
             for e in events[-8:]:
                 ev.append(f"  {e}\n", "dim")
+        ev.append_text(collector_notes(d))
         self.query_one("#events", Static).update(ev)
 
     def action_back(self) -> None:

@@ -1,0 +1,84 @@
+"""Where rtop's code runs on the training thread or inside autograd, and what a failure
+there does: rtop never raises into training.
+
+:data:`ENTRY_POINTS` lists every such place. Each is guarded where it is written (a
+``try`` around rtop's own work, never around the job's: an exception from the user's
+loader, model or hook still propagates unchanged). A failure turns that point's
+feature off for the rest of the run, warns once and leaves a note that the rank sends
+to the hub with its metadata (shown in the rank's detail in the UI):
+
+========================  =============================================  =================
+point                     where it runs                                  feature turned off
+========================  =============================================  =================
+``iter``                  ``probe.iter``: around each ``next()``         data-wait timing
+``step.enter``            ``with probe.step():`` entry                   step timing
+``step.exit``             ``with probe.step():`` exit                    step timing
+``cuda.record``           recording a step's or a bucket's CUDA event    CUDA timing
+``commhook.launch``       the comm hook, as DDP launches a bucket        collective timing
+``commhook.done``         the comm hook's completion callback            collective timing
+``ddptimer.read``         reading DDP's own timer at step exit           collective timing
+``ddptimer.backward``     the hook on the last gradient (phase "comm")   collective timing
+========================  =============================================  =================
+
+A framework integration (a Lightning or Hugging Face callback) adds its callbacks here,
+guarded the same way, and the suite then covers them too.
+
+With a feature off, the job runs exactly as without rtop at that point: a disabled step
+timer is a no-op context, a disabled loader wrapper yields the loader's items, a
+disabled comm hook only calls the allreduce it wraps, and step records say the
+affected figures are not measured (None), never zero. ``tests/test_never_raise.py``
+injects an exception at each point and checks that a real DDP job runs to completion
+with gradients identical to an unwatched one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+log = logging.getLogger("collectors")
+
+#: Every place rtop's code runs on the training thread or inside autograd:
+#: point -> (where it runs, the feature a failure there turns off).
+ENTRY_POINTS: Final[dict[str, tuple[str, str]]] = {
+    "iter": ("probe.iter, around each next() of the wrapped loader", "data-wait timing"),
+    "step.enter": ("the entry of `with probe.step()`", "step timing"),
+    "step.exit": ("the exit of `with probe.step()`", "step timing"),
+    "cuda.record": ("recording a step's or a bucket's CUDA event", "CUDA timing"),
+    "commhook.launch": ("the DDP comm hook, as a bucket's allreduce is launched",
+                        "collective timing"),
+    "commhook.done": ("the DDP comm hook's completion callback", "collective timing"),
+    "ddptimer.read": ("reading DDP's own timer at step exit", "collective timing"),
+    "ddptimer.backward": ("the hook on the last gradient of backward", "collective timing"),
+}
+
+
+class Faults:
+    """One probe's record of the features turned off after a failure (see module doc).
+
+    ``notes`` is the probe's list of notes (sent to the hub); each feature is reported
+    there, and logged as a warning, once.
+    """
+
+    def __init__(self, notes: list[str]) -> None:
+        self._notes = notes
+        #: feature -> the note saying why it is off.
+        self.off: dict[str, str] = {}
+
+    def failed(self, point: str, error: BaseException | str) -> bool:
+        """``point`` failed with ``error``: turn its feature off. True the first time
+        the feature goes off (the caller then does what turning it off takes)."""
+        where, feature = ENTRY_POINTS.get(point, (point, point))
+        if feature in self.off:
+            return False
+        if isinstance(error, BaseException):
+            error = f"{type(error).__name__}: {error}"
+        note = (f"rtop turned off {feature} for the rest of the run after an error in "
+                f"{where} ({point}): {error}"[:600])
+        self.off[feature] = note
+        try:
+            log.warning("rtop: %s", note)
+            self._notes.append(note)
+        except Exception:  # a broken logging handler must not be what breaks the job
+            pass
+        return True

@@ -1,0 +1,159 @@
+"""Ranks for the never-raise suite (spawned by torch.multiprocessing): a real DDP job
+on gloo, run once per guarded point of ``collectors.guard`` with an exception injected
+there, beside the same job unwatched."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.ddp_workers import _model, _setup, _teardown
+
+STEPS = 8
+FAULT_AT = 3  # the step (from 0) at which the fault is injected
+
+
+class FaultyClock:
+    """Stands in for the ``time`` module of one collectors module: its ``perf_counter``
+    raises once, on the ``skip + 1``-th call after :meth:`arm`."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.countdown = 0
+        self.fired = 0
+
+    def arm(self, skip: int = 0) -> None:
+        self.armed, self.countdown = True, skip
+
+    def perf_counter(self) -> float:
+        if self.armed:
+            if self.countdown == 0:
+                self.armed = False
+                self.fired += 1
+                raise RuntimeError("injected fault")
+            self.countdown -= 1
+        return time.perf_counter()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+class FaultyLogger:
+    """DDP's logger, whose update raises once armed."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.armed, self.fired = real, False, 0
+
+    def set_runtime_stats_and_log(self) -> None:
+        if self.armed:
+            self.armed = False
+            self.fired += 1
+            raise RuntimeError("injected fault")
+        self.real.set_runtime_stats_and_log()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def _data(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(16, 40, generator=g), torch.randn(16, 7, generator=g))
+            for _ in range(STEPS)]
+
+
+def _unwatched(rank: int) -> list[torch.Tensor]:
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _data(rank):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out = [p.detach().clone() for p in model.parameters()]
+    del model
+    return out
+
+
+def _scenario(point: str, rank: int) -> dict[str, Any]:
+    import collectors
+    from collectors import commhook, ddptimer
+    from collectors import probe as probe_module
+    from collectors.cuda_events import torch_cuda_pool
+    from collectors.identity import detect
+    from tests.fakecuda import FakeCuda
+
+    clocks = {name: FaultyClock() for name in ("probe", "commhook", "ddptimer")}
+    saved = (probe_module.time, commhook.time, ddptimer.time)
+    probe_module.time = clocks["probe"]  # type: ignore[assignment]
+    commhook.time = clocks["commhook"]  # type: ignore[assignment]
+    ddptimer.time = clocks["ddptimer"]  # type: ignore[assignment]
+    try:
+        mode = "ddp" if point.startswith("ddptimer.") else "hook"
+        model = torch.nn.parallel.DistributedDataParallel(_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing=mode),
+                                 start_sender=False)
+        fake = FakeCuda(devices=1)
+        if point == "cuda.record":
+            probe.use_cuda_events(torch_cuda_pool(0, cuda=fake))
+        probe.watch(model, opt)
+        logger = None
+        if point == "ddptimer.read":
+            logger = FaultyLogger(probe.comm.ddp_logger)
+            probe.comm.ddp_logger = logger
+        done = 0
+        for i, (x, y) in enumerate(probe.iter(_data(rank))):
+            arm = i == FAULT_AT
+            if arm and point == "step.enter":
+                clocks["probe"].arm()
+            if arm and point == "cuda.record":
+                fake.sticky = RuntimeError("CUDA error: an illegal memory access was "
+                                           "encountered (injected)")
+            with probe.step():
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if arm and point == "commhook.launch":
+                    clocks["commhook"].arm()
+                if arm and point == "commhook.done":
+                    clocks["commhook"].arm(skip=2)  # launch, the phase, then completion
+                if arm and point == "ddptimer.backward":
+                    clocks["ddptimer"].arm()
+                if arm and logger is not None:
+                    logger.armed = True
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                fake.run(0, 1.0)
+                if arm and point == "step.exit":
+                    clocks["probe"].arm()
+            if arm and point == "iter":
+                clocks["probe"].arm()  # the loader wrapper's next clock reading
+            done += 1
+        fired = sum(c.fired for c in clocks.values()) + (logger.fired if logger else 0) \
+            + (fake.sticky is not None)
+        params = [p.detach().clone() for p in model.parameters()]
+        result = {
+            "steps": done, "fired": fired, "records": len(probe.records),
+            "off": sorted(probe.faults.off), "notes": list(probe.notes),
+            "comm": [r[6] is not None for r in probe.records],
+            "cuda": [r[8] is not None for r in probe.records],
+        }
+        probe.close(0.5)
+        del model
+    finally:
+        probe_module.time, commhook.time, ddptimer.time = saved  # type: ignore[assignment]
+    result["same"] = all(torch.equal(a, b) for a, b in
+                         zip(params, _unwatched(rank), strict=True))
+    return result
+
+
+def every_point(rank: int, world: int, port: int, out: str) -> None:
+    """Each guarded point in turn, as one rank of a ``world``-rank job."""
+    from collectors.guard import ENTRY_POINTS
+
+    _setup(rank, world, port)
+    results = {point: _scenario(point, rank) for point in ENTRY_POINTS}
+    Path(out, f"rank{rank}").write_text(json.dumps(results))
+    _teardown()

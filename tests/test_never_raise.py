@@ -1,0 +1,70 @@
+"""rtop never raises into training: an exception injected at each of
+``collectors.guard.ENTRY_POINTS``, in a real 2-rank DDP job on gloo (CUDA faked where
+needed), leaves the training loop running to completion with parameters identical to
+the same job unwatched; the point's feature is turned off, with one note."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+import collectors
+from collectors.guard import ENTRY_POINTS
+from collectors.identity import detect
+from rtop.workload import free_port
+from tests import never_raise_workers
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("never-raise")
+    mp.start_processes(never_raise_workers.every_point, args=(2, free_port(), str(out)),
+                       nprocs=2, start_method="spawn")
+    return [json.loads(Path(out, f"rank{r}").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("point", list(ENTRY_POINTS))
+def test_a_fault_at_each_point_never_reaches_the_job(results, point):
+    steps = never_raise_workers.STEPS
+    at = never_raise_workers.FAULT_AT
+    _, feature = ENTRY_POINTS[point]
+    for rank, by_point in enumerate(results):
+        r = by_point[point]
+        assert r["fired"] >= 1, f"rank {rank}: the fault at {point} was never injected"
+        assert r["steps"] == steps, f"rank {rank}: training stopped at step {r['steps']}"
+        assert r["same"], f"rank {rank}: parameters differ from the unwatched job"
+        assert r["off"] == [feature]
+        notes = [n for n in r["notes"] if n.startswith("rtop turned off")]
+        assert len(notes) == 1 and point in notes[0] and "injected" in notes[0]
+        if point.startswith("step."):
+            # step timing off from the fault on: the steps before it were recorded
+            assert r["records"] == at
+        else:
+            assert r["records"] == steps  # every step still recorded
+        if feature == "collective timing":
+            # measured before, not measured (None, never zero) from the faulty step on
+            assert r["comm"][:at] == [True] * at
+            assert not any(r["comm"][at + 1:])
+        if point == "cuda.record":
+            assert r["cuda"][:at] == [True] * at and not any(r["cuda"][at:])
+
+
+def test_the_jobs_own_errors_still_reach_it():
+    """Guarding rtop's code must not swallow the job's: a loader's exception and an
+    exception inside a step propagate unchanged."""
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None), start_sender=False)
+
+    def loader():
+        yield 1
+        raise ValueError("the loader's own error")
+
+    with pytest.raises(ValueError, match="the loader's own error"):
+        for _ in probe.iter(loader()):
+            pass
+    with pytest.raises(KeyError), probe.step():
+        raise KeyError("the step's own error")
+    assert probe.faults.off == {}
+    probe.close(0.1)
