@@ -3,9 +3,11 @@
 The hub runs as its own process (``python -m rtop serve``, recording to a temp dir);
 ``--procs`` load-generator processes, each one asyncio loop with many sockets, play the
 ranks. Nothing is simulated inside the hub: every rank is a real TCP connection that
-says ``hello`` with a realistic identity (8 ranks per node, ``node-0042``), waits for its
-``welcome``, answers the hub's ``ping`` frames with ``pong`` and streams frames shaped
-like the collectors' own.
+says ``hello`` with a realistic identity (8 ranks per node, ``node-0042``), goes through
+the handshake as the collectors do (checks the hub's challenge, sends its proof, with
+the job's ingest token; the viewer uses the view token), waits for its ``welcome``,
+answers the hub's ``ping`` frames with ``pong`` and streams frames shaped like the
+collectors' own.
 
 Phase 1 - a job of ``--ranks`` ranks (default 4096) for ``--duration`` seconds. Every
 rank sends a ``batch`` every 0.5 s with one step record (2 steps/s per rank) and, once
@@ -80,7 +82,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collectors import wire
+from collectors import auth, wire
 from collectors.schema import (
     GPU_FIELDS,
     HEARTBEAT_FIELDS,
@@ -121,9 +123,10 @@ def identity(rank: int, world: int, group: str) -> dict[str, Any]:
             "source": "torch"}
 
 
-def hello_payload(token: str, rank: int, world: int, group: str) -> dict[str, Any]:
-    """The first frame of a rank, as collectors.sender writes it."""
-    return {"role": "rank", "token": token, "identity": identity(rank, world, group),
+def hello_payload(rank: int, world: int, group: str, nonce: bytes = b"") -> dict[str, Any]:
+    """The first frame of a rank, as collectors.connection writes it (no token: the
+    handshake of collectors.auth proves it)."""
+    return {"role": "rank", "nonce": nonce, "identity": identity(rank, world, group),
             "clock": {"t_wall": time.time(), "t_mono": time.monotonic()},
             "collector": {"version": "0.1.0", "python": sys.version.split()[0],
                           "torch": "2.5.1", "dropped": 0}}
@@ -169,7 +172,7 @@ class RankStream:
         self.mem = _row(MEM_FIELDS, {
             "t_wall": 0.0, "device": "cuda:0", "used_bytes": 61e9, "reserved_bytes": 84e9,
             "peak_bytes": 97e9, "capacity_bytes": H200_MEM_BYTES, "param_bytes": 5.6e9,
-            "grad_bytes": 5.6e9, "optim_bytes": 11.2e9})
+            "grad_bytes": 5.6e9, "optim_bytes": 11.2e9, "process_bytes": 86e9})
         self.hb = _row(HEARTBEAT_FIELDS, {"t_wall": 0.0, "phase": "compute", "phase_s": 0.0,
                                           "step": -1, "stack": None})
 
@@ -364,9 +367,10 @@ class Generator:
                 try:
                     await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.port)), 20)
                     conn.reader, conn.writer = await asyncio.open_connection(sock=sock)
+                    nonce = auth.new_nonce()
                     conn.writer.write(wire.encode(wire.KIND_HELLO, hello_payload(
-                        self.o["token"], conn.rank, world, group)))
-                    await asyncio.wait_for(self._welcome(conn), 30)
+                        conn.rank, world, group, nonce)))
+                    await asyncio.wait_for(self._welcome(conn, nonce), 30)
                     conn.alive = True
                     self.c.add(C_CONNECTED)
                     return
@@ -387,7 +391,7 @@ class Generator:
                     break
             self.c.add(C_FAILED)
 
-    async def _welcome(self, conn: Conn) -> None:
+    async def _next_frames(self, conn: Conn) -> list[wire.Frame]:
         assert conn.reader is not None
         while True:
             data = await conn.reader.read(65536)
@@ -395,11 +399,29 @@ class Generator:
                 raise ConnectionError("the hub closed the connection before its welcome")
             frames = conn.decoder.feed(data)
             if frames:
-                if frames[0].kind != wire.KIND_WELCOME:
-                    raise RuntimeError(f"hub answered the hello with {frames[0].kind!r}: "
-                                       f"{frames[0].payload}")
-                self._handle(conn, frames[1:])
-                return
+                return frames
+
+    async def _welcome(self, conn: Conn, nonce: bytes) -> None:
+        """The handshake (collectors.auth), as the collectors do it: the hub's proof
+        checked, ours sent, then the welcome."""
+        assert conn.writer is not None
+        key = self.o["key"]
+        frames = await self._next_frames(conn)
+        first = frames.pop(0)
+        hub_nonce = first.payload.get("nonce")
+        if first.kind != wire.KIND_CHALLENGE or not isinstance(hub_nonce, bytes) or \
+                not auth.check(auth.hub_proof(key, "rank", nonce, hub_nonce),
+                               first.payload.get("proof")):
+            raise RuntimeError(f"hub answered the hello with {first.kind!r}, not a "
+                               f"challenge that proves the token: {first.payload}")
+        conn.writer.write(wire.encode(wire.KIND_AUTH, {
+            "proof": auth.client_proof(key, "rank", hub_nonce, nonce)}))
+        if not frames:
+            frames = await self._next_frames(conn)
+        if frames[0].kind != wire.KIND_WELCOME:
+            raise RuntimeError(f"hub answered the proof with {frames[0].kind!r}: "
+                               f"{frames[0].payload}")
+        self._handle(conn, frames[1:])
 
     def _handle(self, conn: Conn, frames: list[wire.Frame]) -> None:
         for f in frames:
@@ -990,7 +1012,7 @@ def in_process_costs(ranks: int) -> dict[str, Any]:
     group = f"{JOB}-g0"
     t = time.perf_counter()
     for r in range(ranks):
-        state.apply(wire.Frame(wire.KIND_HELLO, hello_payload("t", r, ranks, group)), 1.0)
+        state.apply(wire.Frame(wire.KIND_HELLO, hello_payload(r, ranks, group)), 1.0)
     out["hello_s"] = (time.perf_counter() - t) / ranks
     out["nbytes"] = state.nbytes()
     streams = [RankStream(r, ranks, group) for r in range(ranks)]
@@ -1033,7 +1055,7 @@ def in_process_costs(ranks: int) -> dict[str, Any]:
     for attempt in range(2):
         for r in range(ranks):
             state.apply(wire.Frame(wire.KIND_HELLO, hello_payload(
-                "t", r, ranks, f"{JOB}-g{attempt}")), 1.0 + attempt)
+                r, ranks, f"{JOB}-g{attempt}")), 1.0 + attempt)
     out["nbytes_restart"] = state.nbytes()
     return out
 
@@ -1224,9 +1246,11 @@ def main(argv: list[str] | None = None) -> int:
         hub_nofile = hub.ps.rlimit(psutil.RLIMIT_NOFILE)[0]
         print(f"hub {address} (pid {hub.proc.pid}), RSS at start {hub.rss() / MB:.0f} MB, "
               f"recording to {hub.record}", flush=True)
-        viewer = Viewer(address, token)
+        viewer = Viewer(address, auth.role_token(token, "view"))  # each side its role's token
         viewers.append(viewer)
-        opts = {"address": address, "token": token, "ranks": args.ranks, "procs": args.procs,
+        ingest = auth.role_token(token, "ingest")
+        opts = {"address": address, "key": auth.key_for(ingest, "ingest"),
+                "ranks": args.ranks, "procs": args.procs,
                 "connect_concurrency": args.connect_concurrency, "backlog_bytes": 1 << 20,
                 "p2_conns": args.p2_conns, "p2_rows": args.p2_rows, "sndbuf": 256 << 10}
         run_job_phase(args, opts, hub, viewer, res)
@@ -1236,7 +1260,7 @@ def main(argv: list[str] | None = None) -> int:
             hub2 = HubProcess(tmp, "hub2", token, None)
             hubs.append(hub2)
             address2 = hub2.wait_address()
-            viewer2 = Viewer(address2, token)
+            viewer2 = Viewer(address2, auth.role_token(token, "view"))
             viewers.append(viewer2)
             p2 = run_flood_phase(args, {**opts, "address": address2,
                                         "procs": min(args.procs, args.p2_conns)}, hub2, viewer2)

@@ -4,6 +4,7 @@
 |---|---|---|
 | ``RTOP_HUB`` | ``host:port`` of the hub | discovered |
 | ``RTOP_TOKEN`` | the hub's token | discovered |
+| ``RTOP_TOKEN_FILE`` | a file holding the token (0600, yours); ``RTOP_TOKEN`` wins | — |
 | ``RTOP_DISABLE`` | ``1``: ``collectors.start()`` returns a probe that does nothing | off |
 | ``RTOP_FLUSH_S`` | how often records are sent | 0.5 |
 | ``RTOP_SAMPLE_S`` | GPU / host / memory / heartbeat sampling period | 1.0 |
@@ -13,9 +14,74 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+log = logging.getLogger("collectors")
+
+#: The most a token file may hold: a token is a line, not a document.
+TOKEN_FILE_MAX_BYTES = 4096
+
+
+class TokenFileError(ValueError):
+    """A token file that must not be used; the message says why and what to do."""
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The token in ``path`` (its first line, stripped).
+
+    A token is a secret: the file must be a regular file owned by this user (or root)
+    that nobody else can read (``chmod 600``); anything else raises
+    :class:`TokenFileError` with a message that says what is wrong. Symbolic links are
+    followed (mounted secrets are links) and the file they reach is checked.
+    """
+    name = os.fspath(path)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise TokenFileError(f"cannot read the token file {name}: "
+                             f"{exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TokenFileError(f"the token file {name} is not a regular file")
+        if st.st_uid not in (os.getuid(), 0):
+            raise TokenFileError(f"the token file {name} belongs to uid {st.st_uid}, not "
+                                 f"to you: anyone who planted it knows the token")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise TokenFileError(
+                f"the token file {name} is readable by other users (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}); run `chmod 600 {name}`")
+        data = os.read(fd, TOKEN_FILE_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > TOKEN_FILE_MAX_BYTES:
+        raise TokenFileError(f"the token file {name} is larger than "
+                             f"{TOKEN_FILE_MAX_BYTES} bytes: not a token")
+    lines = data.decode("utf-8", "replace").strip().splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise TokenFileError(f"the token file {name} is empty")
+    return token
+
+
+def _env_token() -> str | None:
+    """``RTOP_TOKEN``, else the token in ``RTOP_TOKEN_FILE``; never raises: a token file
+    that cannot be used is logged and ignored (the job goes on; the hub will refuse)."""
+    token = os.environ.get("RTOP_TOKEN")
+    if token:
+        return token
+    path = os.environ.get("RTOP_TOKEN_FILE")
+    if not path:
+        return None
+    try:
+        return read_token_file(path)
+    except Exception as exc:  # a TokenFileError, or anything else: never into the job
+        log.warning("rtop: RTOP_TOKEN_FILE ignored: %s", exc)
+    return None
 
 
 def _float(name: str, default: float) -> float:
@@ -69,7 +135,7 @@ class ProbeConfig:
         """Defaults, then ``RTOP_*`` environment variables, then explicit overrides."""
         cfg = cls(
             hub=os.environ.get("RTOP_HUB") or None,
-            token=os.environ.get("RTOP_TOKEN") or None,
+            token=_env_token(),
             enabled=os.environ.get("RTOP_DISABLE", "").lower() not in ("1", "true", "yes"),
             flush_interval_s=_float("RTOP_FLUSH_S", cls.flush_interval_s),
             sample_interval_s=_float("RTOP_SAMPLE_S", cls.sample_interval_s),

@@ -2,8 +2,16 @@
 
 :class:`HubConnection` runs on the sender thread and never blocks it for long. It
 
-* connects when due (the hub found through :mod:`collectors.discovery`), sends the
-  hello and waits for the welcome (``DOWN`` → ``HELLO`` → ``UP``);
+* connects when due (the hub found through :mod:`collectors.discovery`), says hello
+  with a fresh nonce, checks the hub's proof in its challenge (it must hold the token:
+  :mod:`collectors.auth`), answers with its own proof and waits for the welcome
+  (``DOWN`` → ``HELLO`` → ``AUTH`` → ``UP``). No token is ever sent. A hub that cannot
+  prove itself gets nothing more: the socket is closed (logged once) and the rank
+  retries later;
+* reads small frames only: ``wire.UNPROVEN_HUB_FRAME_BYTES`` before the hub has proved
+  itself, ``wire.RANK_FRAME_BYTES`` after, decoded with msgpack's limits; anything
+  bigger closes the connection (logged once), so a hostile listener on the hub's port
+  cannot make the training process allocate;
 * answers a ping with a pong at once, and on a refusal (an ``error`` frame), a lost
   connection or a hello left unanswered closes the socket and retries with jittered
   exponential backoff (a refusal waits the longest);
@@ -14,8 +22,9 @@
 * on :meth:`finish`, sends what it can before a deadline, then a ``bye``.
 
 Control frames (``wire.KIND_CONTROL``, commands for the rank from the hub) arrive here:
-they are handed to the ``on_control`` callback when one is given, else ignored, as
-every other frame kind this collector does not know.
+only once the hub has proved itself and welcomed the rank (state ``UP``) are they
+handed to the ``on_control`` callback when one is given; else ignored, as every other
+frame kind this collector does not know.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from collectors import wire
+from collectors import auth, wire
 from collectors.config import ProbeConfig
 from collectors.discovery import HubAddress, resolve
 from collectors.identity import Identity
@@ -41,6 +50,8 @@ from collectors.logonce import LogOnce
 log = logging.getLogger("collectors")
 
 RECV_BYTES = 65536
+#: Characters of what a hub sent (an error message, a frame kind) that are logged.
+LOG_CHARS = 120
 #: Frames moved from the outbox to the socket's write queue at a time.
 WRITE_QUEUE_FRAMES = 8
 
@@ -54,7 +65,8 @@ class ConnState(enum.Enum):
     """Where the connection to the hub stands."""
 
     DOWN = "down"  # no socket: waiting for the next connect attempt
-    HELLO = "hello"  # connected, hello sent, waiting for the welcome
+    HELLO = "hello"  # connected, hello sent, waiting for the hub's challenge
+    AUTH = "auth"  # the hub proved itself; our proof sent, waiting for the welcome
     UP = "up"  # welcomed: batches flow
 
 
@@ -63,9 +75,11 @@ class HubConnection:
 
     ``collector_info`` gives the ``collector`` part of each hello; ``on_connect`` is
     called whenever a new socket is opened (before the welcome); ``on_control``, when
-    given, is called on the sender thread with every ``control`` frame: it must return
-    quickly, and an exception from it is logged once and otherwise ignored. ``resolve``
-    replaces discovery (tests); by default the configured hub, else a discovered one.
+    given, is called on the sender thread with every ``control`` frame from a hub that
+    has proved itself and welcomed this rank: it must return quickly, and an exception
+    from it is logged once and otherwise ignored. ``resolve`` replaces discovery
+    (tests); by default the configured hub, else a discovered one. The token (master
+    or ingest) is used as the key of the handshake, never sent.
     """
 
     def __init__(
@@ -88,7 +102,10 @@ class HubConnection:
         self._sock: socket.socket | None = None
         self.state = ConnState.DOWN
         self._hello_deadline = 0.0
-        self._decoder = wire.FrameDecoder()
+        self._decoder = wire.FrameDecoder(wire.UNPROVEN_HUB_FRAME_BYTES)
+        self._key: bytes | None = None  # this connection's handshake key (ingest role)
+        self._nonce = b""  # this connection's nonce
+        self._peer = ""  # host:port of the hub this socket goes to
         self._outbox: deque[tuple[bytes, int]] = deque()  # encoded frames not yet started
         self._outbox_bytes = 0
         self._writing: deque[list[Any]] = deque()  # [memoryview, records] being written
@@ -104,6 +121,8 @@ class HubConnection:
         self.connects = 0
         self.connect_failures = 0
         self.refusals = 0
+        #: hubs that answered without proving they hold the token (or spoke out of turn)
+        self.unproven_hubs = 0
 
     # ---- what the sender asks -----------------------------------------------------
 
@@ -136,6 +155,7 @@ class HubConnection:
             "connects": self.connects,
             "connect_failures": self.connect_failures,
             "refusals": self.refusals,
+            "unproven_hubs": self.unproven_hubs,
             "connected": int(self.state is ConnState.UP),
         }
 
@@ -215,6 +235,14 @@ class HubConnection:
             self._next_connect = now + self._cfg.backoff_max_s
             return
         host, port, token = target
+        key = auth.key_for(token, "ingest")
+        if key is None:
+            self.connect_failures += 1
+            self._once(f"no-token-{host}:{port}", logging.WARNING,
+                       "rtop: no token that can send to the hub at %s:%s (set RTOP_TOKEN "
+                       "to its token or ingest token); training continues", host, port)
+            self._next_connect = now + self._cfg.backoff_max_s
+            return
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
@@ -230,14 +258,15 @@ class HubConnection:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
-        self._decoder = wire.FrameDecoder()
+        self._decoder = wire.FrameDecoder(wire.UNPROVEN_HUB_FRAME_BYTES)
+        self._key, self._nonce, self._peer = key, auth.new_nonce(), f"{host}:{port}"
         self.state = ConnState.HELLO
         self._hello_deadline = now + self._cfg.welcome_timeout_s
         if self._on_connect is not None:
             self._on_connect()
         hello = {
             "role": "rank",
-            "token": token or "",
+            "nonce": self._nonce,
             "identity": self._identity.to_wire(),
             "clock": {"t_wall": time.time(), "t_mono": time.monotonic()},
             "collector": self._collector_info(),
@@ -252,6 +281,7 @@ class HubConnection:
     def _close_socket(self, requeue: bool = True) -> None:
         sock, self._sock = self._sock, None
         self.state = ConnState.DOWN
+        self._key = None
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
@@ -271,9 +301,20 @@ class HubConnection:
             elif n:
                 self.dropped_unsent += n
 
-    def _lost(self, now: float, why: str) -> None:
-        self._once(f"lost-{why}", logging.INFO, "rtop: %s; training continues, retrying", why)
+    def _lost(self, now: float, why: str, key: str | None = None) -> None:
+        self._once(f"lost-{key or why}", logging.INFO, "rtop: %s; training continues, "
+                   "retrying", why)
         self._close_socket()
+        self._schedule_retry(now)
+
+    def _distrust(self, now: float, why: str, *args: Any) -> None:
+        """The peer is not a hub that proved itself: close, log once, wait the longest."""
+        self.unproven_hubs += 1
+        self._once(f"unproven-{self._peer}", logging.WARNING,
+                   "rtop: the hub at %s " + why + "; nothing more sent to it, retrying",
+                   self._peer, *args)
+        self._close_socket()
+        self._backoff = self._cfg.backoff_max_s
         self._schedule_retry(now)
 
     # ---- reading and writing ------------------------------------------------------
@@ -281,7 +322,7 @@ class HubConnection:
     def _service(self, now: float) -> None:
         if self._sock is None:
             return
-        if self.state is ConnState.HELLO and now > self._hello_deadline:
+        if self.state in (ConnState.HELLO, ConnState.AUTH) and now > self._hello_deadline:
             self._once("welcome", logging.WARNING, "rtop: hub did not answer the hello; retrying")
             self._close_socket()
             self._schedule_retry(now)
@@ -312,7 +353,12 @@ class HubConnection:
             try:
                 frames = self._decoder.feed(data)
             except wire.WireError as exc:
-                self._lost(now, f"bad frame from hub: {exc}")
+                if self.state is ConnState.HELLO:  # not even a hub that proved itself
+                    self._distrust(now, "sent a bad frame before proving itself (%s)",
+                                   _short(str(exc)))
+                else:
+                    self._lost(now, f"bad frame from the hub at {self._peer}: "
+                                    f"{_short(str(exc))}", key="bad-frame")
                 return False
             for frame in frames:
                 self._on_frame(now, frame)
@@ -320,33 +366,67 @@ class HubConnection:
                     return False
 
     def _on_frame(self, now: float, frame: wire.Frame) -> None:
-        if frame.kind == wire.KIND_WELCOME:
-            self.state = ConnState.UP
-            self.connects += 1
-            self._backoff = self._cfg.backoff_initial_s
-            self.hub_info.update(frame.payload)
-            log.debug("rtop: connected to hub")
-        elif frame.kind == wire.KIND_PING:
+        if frame.kind == wire.KIND_ERROR:
+            self.refusals += 1
+            code = _short(str(frame.payload.get("code")), 24)
+            self._once(
+                f"refused-{code}", logging.WARNING, "rtop: hub refused this rank: %s",
+                _short(str(frame.payload.get("message", "no reason"))),
+            )
+            self._close_socket()
+            self._backoff = self._cfg.backoff_max_s
+            self._schedule_retry(now)
+        elif self.state is ConnState.HELLO:
+            self._on_challenge(now, frame)
+        elif self.state is ConnState.AUTH:
+            if frame.kind == wire.KIND_WELCOME:
+                self._welcomed(frame)
+            # nothing else is expected before the welcome; ignored
+        else:
+            self._on_hub_frame(frame)
+
+    def _on_challenge(self, now: float, frame: wire.Frame) -> None:
+        """The hub's first answer: it must prove it holds the token before anything."""
+        if frame.kind != wire.KIND_CHALLENGE:
+            self._distrust(now, "answered the hello with %r, not a challenge (an older "
+                           "hub, or not a hub)", _short(frame.kind, 40))
+            return
+        key, hub_nonce = self._key, frame.payload.get("nonce")
+        assert key is not None
+        if not isinstance(hub_nonce, bytes) or not auth.valid_nonce(hub_nonce) \
+                or not auth.check(auth.hub_proof(key, "rank", self._nonce, hub_nonce),
+                                  frame.payload.get("proof")):
+            self._distrust(now, "could not prove it holds this rank's token (a wrong "
+                           "RTOP_TOKEN here, or not this job's hub)")
+            return
+        self.state = ConnState.AUTH
+        self._decoder.max_bytes = wire.RANK_FRAME_BYTES
+        self._queue_control(wire.KIND_AUTH, {
+            "proof": auth.client_proof(key, "rank", hub_nonce, self._nonce)})
+
+    def _welcomed(self, frame: wire.Frame) -> None:
+        self.state = ConnState.UP
+        self.connects += 1
+        self._backoff = self._cfg.backoff_initial_s
+        self.hub_info.update(frame.payload)
+        log.debug("rtop: connected to hub")
+
+    def _on_hub_frame(self, frame: wire.Frame) -> None:
+        """A frame from a hub that proved itself and welcomed this rank (state UP)."""
+        if frame.kind == wire.KIND_PING:
             self._queue_control(wire.KIND_PONG, {
                 "t_hub": frame.payload.get("t_hub"),
                 "t_rank": time.time(),
                 "seq": frame.payload.get("seq"),
             })
-        elif frame.kind == wire.KIND_ERROR:
-            self.refusals += 1
-            self._once(
-                f"refused-{frame.payload.get('code')}", logging.WARNING,
-                "rtop: hub refused this rank: %s", frame.payload.get("message", "no reason"),
-            )
-            self._close_socket()
-            self._backoff = self._cfg.backoff_max_s
-            self._schedule_retry(now)
         elif frame.kind == wire.KIND_CONTROL and self.on_control is not None:
             try:
                 self.on_control(frame)
             except Exception as exc:  # a command handler's bug never drops the connection
-                self._once(f"control-{frame.payload.get('command')}", logging.WARNING,
-                           "rtop: a control frame failed: %r", exc)
+                command = _short(str(frame.payload.get("command")), 40)
+                self._once(f"control-{command}", logging.WARNING,
+                           "rtop: a control frame (%r) failed: %s", command,
+                           _short(repr(exc)))
         # other kinds (and control frames without a handler) are ignored by this collector
 
     def _queue_control(self, kind: str, payload: dict[str, Any]) -> None:
@@ -372,3 +452,9 @@ class HubConnection:
                 if head[1]:
                     self.sent_records += head[1]
                     self.sent_frames += 1
+
+
+def _short(text: str, limit: int = LOG_CHARS) -> str:
+    """``text`` cut to ``limit`` characters for a log line (what a hub sends is not
+    trusted to be short)."""
+    return text if len(text) <= limit else text[:limit] + "..."

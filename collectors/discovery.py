@@ -6,11 +6,14 @@ In order:
 2. Inside a Ray Train worker: a detached named actor, ``rtop-hub-<run id>`` in the
    ``rtop`` namespace with zero CPUs, runs the hub; whichever rank comes first creates
    it (``get_if_exists`` makes that race-free) and every rank asks it for its address
-   and token.
+   (and, when the job gave no token, the token the actor made).
 3. Otherwise (torchrun, a single process): the hub of this job on this node is found
    through a file in the user's runtime directory; the first rank to take the lock
    beside it starts one (``python -m rtop serve --auto``, its own process, so it can
-   never slow a rank down) and the others wait for the file.
+   never slow a rank down) and the others wait for the file. The directory must be
+   the user's own (0700, not a link) and the file 0600 and the user's: anything
+   else is ignored with a warning, so another local user cannot plant a file that
+   sends the ranks to their hub.
 
 This runs on the collector's sender thread, never on the training thread. It imports
 Ray only when the process already has it. The hub always runs in another process (the
@@ -22,6 +25,7 @@ imported there lazily when a rank has to create the actor
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -45,23 +49,159 @@ _warned: set[str] = set()
 SPAWN_WAIT_S = 15.0
 
 
-def runtime_dir() -> Path:
-    """The user's private directory for hub files: ``$XDG_RUNTIME_DIR/rtop``, else
-    ``/tmp/rtop-<uid>``; created 0700 and refused if anyone else could write to it."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = Path(base) / "rtop" if base and os.access(base, os.W_OK) else \
-        Path(f"/tmp/rtop-{os.getuid()}")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise PermissionError(f"{path} is not private to this user; not using it")
+#: Where the runtime directory goes when ``$XDG_RUNTIME_DIR`` is unset or unusable.
+FALLBACK_BASE = Path("/tmp")
+#: The most a hub file may hold (a few hundred bytes in practice).
+HUB_FILE_MAX_BYTES = 65536
+_SAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+def safe_name(name: str, default: str = "default", max_len: int = 80) -> str:
+    """``name`` made safe as one component of a file name: characters other than
+    ``[A-Za-z0-9._-]`` become ``_``, so do leading dots (no hidden files, no ``..``),
+    and it is cut to ``max_len``; ``default`` if nothing is left. Every name that
+    reaches a path (a job's, a run's) goes through here first."""
+    safe = _SAFE_CHARS.sub("_", str(name))[:max_len]
+    dots = len(safe) - len(safe.lstrip("."))
+    return ("_" * dots + safe[dots:]) or default
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as this user's private directory: created 0700 if missing; an existing
+    one must be a real directory (not a symbolic link) that this user owns, and is
+    made 0700 if it was open to others. Raises :class:`PermissionError`, saying why,
+    for one planted by someone else.
+
+    Checked with ``lstat``, then chmod-ed by name: the name cannot be swapped in
+    between, since only its owner (we) may rename or remove it in a sticky ``/tmp``
+    or in our own ``$XDG_RUNTIME_DIR``.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise PermissionError(
+            f"{path} is {what}, not a private directory: rtop will not use it (someone "
+            f"may have planted it there; remove it, or set XDG_RUNTIME_DIR to a "
+            f"directory of your own)")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(
+            f"{path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): rtop "
+            f"will not use it (someone may have planted it there; remove it, or set "
+            f"XDG_RUNTIME_DIR to a directory of your own)")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
     return path
+
+
+def _own_base(base: str) -> bool:
+    """Whether ``$XDG_RUNTIME_DIR`` is a directory of ours that only we can write to."""
+    try:
+        st = os.stat(base)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and os.access(base, os.W_OK))
+
+
+def runtime_dir() -> Path:
+    """The user's private directory for hub files: ``$XDG_RUNTIME_DIR/rtop`` (when that
+    base is the user's own), else ``/tmp/rtop-<uid>``; see :func:`private_dir`. Raises
+    :class:`PermissionError` if it is a symbolic link or someone else's."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and _own_base(base):
+        return private_dir(Path(base) / "rtop")
+    return private_dir(FALLBACK_BASE / f"rtop-{os.getuid()}")
+
+
+def open_private(path: str | os.PathLike[str], flags: int) -> int:
+    """Open ``path`` as a private file of this user's, and return the descriptor.
+
+    Created 0600 if ``flags`` has ``O_CREAT``; never through a symbolic link
+    (``O_NOFOLLOW``), nor a FIFO or device; an existing file must belong to this user,
+    and is made 0600 if it was open to others. Raises :class:`PermissionError`, saying
+    why, otherwise.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PermissionError(f"{os.fspath(path)} is a symbolic link: rtop will not "
+                                  f"follow it (someone may have planted it)") from None
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader, a socket
+            raise PermissionError(f"{os.fspath(path)} is not a regular file: rtop will "
+                                  f"not use it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"{os.fspath(path)} is not a regular file: rtop will not "
+                                  f"use it")
+        if st.st_uid != os.geteuid():
+            raise PermissionError(f"{os.fspath(path)} belongs to uid {st.st_uid}, not to "
+                                  f"you: rtop will not use it (someone may have planted it)")
+        if stat.S_IMODE(st.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_private_file(path: Path, max_bytes: int = HUB_FILE_MAX_BYTES) -> bytes | None:
+    """What ``path`` holds, if it is a regular file of this user's that nobody else may
+    read (0600 or stricter); ``None`` if it is missing, and ``None`` with one warning
+    per path if it is a symbolic link, another user's, or open to others. Never raises.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        why = "a symbolic link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+        _warn_once(f"file:{path}", "rtop: ignoring %s: %s", str(path), why)
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            why = "not a regular file"
+        elif st.st_uid != os.geteuid():
+            why = f"it belongs to uid {st.st_uid}, not to you (planted by someone?)"
+        elif stat.S_IMODE(st.st_mode) & 0o077:
+            why = f"others may read or write it (mode {stat.S_IMODE(st.st_mode):04o})"
+        else:
+            chunks: list[bytes] = []
+            size = 0
+            while size <= max_bytes:
+                chunk = os.read(fd, max_bytes + 1 - size)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            if size > max_bytes:
+                why = f"larger than {max_bytes} bytes"
+            else:
+                return b"".join(chunks)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    finally:
+        os.close(fd)
+    _warn_once(f"file:{path}", "rtop: ignoring %s: %s", str(path), why)
+    return None
 
 
 def job_key(identity: Identity) -> str:
     """A file-name-safe key naming this job on this node."""
     key = identity.job or (f"pid{identity.pid}" if identity.world_size == 1 else "default")
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:80]
+    return safe_name(key)
 
 
 def pid_alive(pid: int) -> bool:
@@ -74,14 +214,26 @@ def pid_alive(pid: int) -> bool:
 
 
 def read_hub_file(path: Path) -> dict[str, Any] | None:
-    """A hub file's contents if it names a live hub process, else None."""
+    """A hub file's contents if it is this user's private file (see
+    :func:`read_private_file`) and names a live hub process, else None. Never raises."""
+    data = read_private_file(path)
+    if data is None:
+        return None
     try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
+        info = json.loads(data)
+    except ValueError:
         return None
-    if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
+    if not isinstance(info, dict):
         return None
-    if not pid_alive(info["pid"]) or not isinstance(info.get("address"), str):
+    pid, address, token = info.get("pid"), info.get("address"), info.get("token")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 \
+            or not isinstance(address, str) or not (token is None or isinstance(token, str)):
+        return None
+    try:
+        parse_address(address)
+    except ValueError:
+        return None
+    if not pid_alive(pid):
         return None
     return info
 
@@ -114,7 +266,20 @@ def ray_hub_actor_class() -> type:
 
 
 def local_hub(identity: Identity, spawn: bool = True) -> HubAddress | None:
-    """The node-local hub of this job, started by the first rank to ask if need be."""
+    """The node-local hub of this job, started by the first rank to ask if need be.
+
+    Never raises: a runtime directory or hub file that is not the user's own (a
+    symbolic link, another user's, open to others) means "no hub found", with one
+    warning.
+    """
+    try:
+        return _local_hub(identity, spawn)
+    except Exception as exc:
+        _warn_once(f"local-hub:{exc}", "rtop: no node-local hub: %s", exc)
+        return None
+
+
+def _local_hub(identity: Identity, spawn: bool) -> HubAddress | None:
     rdir = runtime_dir()
     key = job_key(identity)
     path = rdir / f"hub-{key}.json"
@@ -122,11 +287,14 @@ def local_hub(identity: Identity, spawn: bool = True) -> HubAddress | None:
     if info is None and spawn:
         import fcntl
 
-        with open(rdir / f"hub-{key}.lock", "w") as lock:
+        lock = open_private(rdir / f"hub-{key}.lock", os.O_RDWR | os.O_CREAT)
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)  # the other ranks of the node wait here
             info = read_hub_file(path)
             if info is None:
                 info = _spawn_local_hub(key, path, rdir)
+        finally:
+            os.close(lock)
     if info is None:
         return None
     host, port = parse_address(info["address"])
@@ -136,13 +304,16 @@ def local_hub(identity: Identity, spawn: bool = True) -> HubAddress | None:
 def _spawn_local_hub(key: str, path: Path, rdir: Path) -> dict[str, Any] | None:
     cmd = hub_command(key, path)
     log.info("rtop: starting this node's hub for job %s", key)
-    with open(rdir / f"hub-{key}.log", "ab") as out:
-        try:
-            subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                             start_new_session=True, close_fds=True)
-        except OSError as exc:
-            log.warning("rtop: could not start a hub (%s); set RTOP_HUB to use one", exc)
-            return None
+    # the hub's log: 0600, never through a link; the hub writes no token into it
+    out = open_private(rdir / f"hub-{key}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                         start_new_session=True, close_fds=True)
+    except OSError as exc:
+        log.warning("rtop: could not start a hub (%s); set RTOP_HUB to use one", exc)
+        return None
+    finally:
+        os.close(out)
     deadline = time.monotonic() + SPAWN_WAIT_S
     while time.monotonic() < deadline:
         info = read_hub_file(path)
@@ -159,8 +330,15 @@ def ray_actor_name(identity: Identity) -> str:
     return f"rtop-hub-{job_key(identity)}"
 
 
-def ray_hub(identity: Identity, create: bool = True) -> HubAddress | None:
-    """Ask (or make) this Ray Train run's hub actor for the hub's address and token."""
+def ray_hub(identity: Identity, create: bool = True, token: str | None = None
+            ) -> HubAddress | None:
+    """Ask (or make) this Ray Train run's hub actor for the hub's address (and token).
+
+    With a token of its own (``RTOP_TOKEN``, ``collectors.start(token=...)``), the rank
+    creates the actor with it and the actor never hands it out; without one, the
+    actor makes a token and gives it to whoever asks inside the Ray cluster (see
+    ``rtop.hub.ray_actor`` for what that does and does not protect).
+    """
     if "ray" not in sys.modules:
         return None
     import ray
@@ -176,9 +354,10 @@ def ray_hub(identity: Identity, create: bool = True) -> HubAddress | None:
         actor = remote_cls.options(
             name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
             num_cpus=0, max_restarts=0,
-        ).remote(job_key(identity))
-    host, port, token = ray.get(actor.address.remote(), timeout=60)
-    return str(host), int(port), str(token)
+        ).remote(job_key(identity), token=token)
+    host, port, given = ray.get(actor.address.remote(), timeout=60)
+    use = given if isinstance(given, str) and given else token
+    return str(host), int(port), use
 
 
 def resolve(identity: Identity, hub: str | None, token: str | None,
@@ -191,7 +370,7 @@ def resolve(identity: Identity, hub: str | None, token: str | None,
         return None
     if identity.source == "ray":
         try:
-            found = ray_hub(identity, create=allow_spawn)
+            found = ray_hub(identity, create=allow_spawn, token=token)
         except Exception as exc:
             if "ray" not in _warned:
                 _warned.add("ray")

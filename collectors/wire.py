@@ -9,9 +9,19 @@ A frame is a 7-byte header followed by a msgpack body::
 
 and the body is the msgpack array ``[kind, payload]`` where ``kind`` is a short string
 (see the ``KIND_*`` constants) and ``payload`` a map with string keys. A frame larger
-than ``MAX_FRAME_BYTES``, a header without the magic, a version other than ``VERSION``
-or a body that is not ``[str, map]`` is refused with a :class:`WireError` that says
-which; the connection that sent it is closed and nothing else is affected.
+than the reader's limit (at most ``MAX_FRAME_BYTES``), a header without the magic, a
+version other than ``VERSION`` or a body that is not ``[str, map]`` is refused with a
+:class:`WireError` that says which; the connection that sent it is closed and nothing
+else is affected. Bodies are walked first without building anything (a container
+must hold what its header claims before msgpack allocates for it) and decoded with
+msgpack's ``max_*_len`` limits scaled to its length, and the reader's limit is small
+until a peer has proved itself: a hub reads
+``PREAUTH_FRAME_BYTES`` before a peer has authenticated, a rank or viewer
+``UNPROVEN_HUB_FRAME_BYTES`` before the hub has, and a rank ``RANK_FRAME_BYTES`` after.
+
+A connection starts with the handshake of :mod:`collectors.auth` (``hello``,
+``challenge``, ``auth``, ``welcome``); no token ever travels. Each role may then send
+only its own kinds (``RANK_KINDS``, ``VIEWER_KINDS``, ``CONTROL_KINDS``).
 """
 
 from __future__ import annotations
@@ -29,23 +39,42 @@ HEADER: Final = struct.Struct(">2sBI")
 HEADER_BYTES: Final = HEADER.size
 #: The largest body accepted. A 4,096-rank snapshot is about 2 MB; a rank's batch a few kB.
 MAX_FRAME_BYTES: Final = 32 * 1024 * 1024
+#: The largest body a hub accepts from a peer that has not authenticated yet: a hello
+#: with a full identity is under 1 kB (hostnames of 255 characters included).
+PREAUTH_FRAME_BYTES: Final = 16 * 1024
+#: The largest body a rank or viewer accepts before the hub has proved it holds the
+#: token (a challenge is about 100 bytes, an error a few hundred).
+UNPROVEN_HUB_FRAME_BYTES: Final = 4 * 1024
+#: The largest body a rank accepts from its hub (welcome, ping, control, error).
+RANK_FRAME_BYTES: Final = 64 * 1024
 
+# Handshake (collectors.auth): hello -> challenge -> auth -> welcome, no secret sent
+KIND_HELLO: Final = "hello"  # role, nonce; a rank's identity, clock, collector
+KIND_CHALLENGE: Final = "challenge"  # hub -> peer: the hub's nonce and its proof
+KIND_AUTH: Final = "auth"  # peer -> hub: the peer's proof
+KIND_WELCOME: Final = "welcome"  # accepted; carries the hub's clock
+KIND_ERROR: Final = "error"  # refused: wrong token, bad frame, forbidden kind, ...
 # Rank -> hub
-KIND_HELLO: Final = "hello"  # identity, token, clock, device; first frame of a rank
 KIND_BATCH: Final = "batch"  # records of the tables in collectors.schema
 KIND_PONG: Final = "pong"  # answer to a ping: clock-offset sample
 KIND_BYE: Final = "bye"  # clean close, with final counters
-# Hub -> rank / viewer
-KIND_WELCOME: Final = "welcome"  # accepted; carries the hub's clock
+# Hub -> rank
 KIND_PING: Final = "ping"  # asks for a pong (clock offset refresh)
-KIND_ERROR: Final = "error"  # refused: wrong token, bad frame, ...
-KIND_CONTROL: Final = "control"  # a command for the rank (profiling, probes)
+KIND_CONTROL: Final = "control"  # a command: to a rank, or from a control peer to the hub
 # Viewer <-> hub
 KIND_SUBSCRIBE: Final = "subscribe"
 KIND_SNAPSHOT: Final = "snapshot"
 KIND_REQUEST: Final = "request"
 # Recording only
 KIND_RUN: Final = "run"  # first frame of a recording: what wrote it and when
+KIND_CLOCK: Final = "clock"  # the hub's time, written to a recording every cycle
+
+#: What an authenticated rank may send (hello again: its own, e.g. after a restart).
+RANK_KINDS: Final = frozenset({KIND_HELLO, KIND_BATCH, KIND_PONG, KIND_BYE})
+#: What an authenticated viewer may send.
+VIEWER_KINDS: Final = frozenset({KIND_SUBSCRIBE, KIND_REQUEST})
+#: What an authenticated control peer may send: a viewer's kinds and control frames.
+CONTROL_KINDS: Final = VIEWER_KINDS | {KIND_CONTROL}
 
 
 class WireError(ValueError):
@@ -129,10 +158,41 @@ def parse_header(header: bytes, max_bytes: int = MAX_FRAME_BYTES) -> int:
     return int(length)
 
 
-def decode_body(body: bytes | memoryview) -> Frame:
-    """Decode a frame body (without its header)."""
+def unpack_limits(max_bytes: int) -> dict[str, int]:
+    """msgpack's ``max_*_len`` limits for a body of ``max_bytes`` bytes (decoding uses
+    the body's own length, at most the reader's limit): no string, bytes, array, map or
+    extension may claim more than the body could hold."""
+    return {"max_str_len": max_bytes, "max_bin_len": max_bytes,
+            "max_array_len": max_bytes, "max_map_len": max_bytes // 2,
+            "max_ext_len": max_bytes}
+
+
+def _check_complete(body: bytes | memoryview, limits: dict[str, int]) -> None:
+    """Walk the body's structure in C without building a thing: it must be one whole
+    msgpack object. msgpack preallocates each array and map for the count its header
+    claims, so a few bytes of nested headers that claim thousands of elements each
+    would cost megabytes before the body is found to hold none; once this walk has
+    seen every claimed element present, decoding allocates for what the body holds."""
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(body), 1), **limits)
+    unpacker.feed(body)
+    unpacker.skip()
+    if unpacker.tell() != len(body):
+        raise ValueError(f"{len(body) - unpacker.tell()} bytes after the body's object")
+
+
+def decode_body(body: bytes | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> Frame:
+    """Decode a frame body (without its header) with limits for ``max_bytes`` bodies.
+
+    The body is first walked without decoding (:func:`_check_complete`), so what
+    decoding allocates is in proportion to the bytes received, whatever they claim.
+    """
+    if len(body) > max_bytes:
+        raise FrameTooLarge(f"frame body of {len(body)} bytes exceeds {max_bytes}")
+    limits = unpack_limits(max(len(body), 1))  # nothing in it can claim more than it has
     try:
-        obj = msgpack.unpackb(body, raw=False, use_list=True)
+        _check_complete(body, limits)
+        obj = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True,
+                              **limits)
     except Exception as exc:  # msgpack raises several unrelated types
         raise MalformedFrame(f"frame body is not valid msgpack: {exc}") from None
     if (
@@ -150,11 +210,13 @@ class FrameDecoder:
 
     After a :class:`WireError` the stream cannot be resynchronised; the caller closes
     the connection. ``pending`` tells how many bytes of an incomplete frame are held.
+    ``max_bytes``, the largest body accepted, may be changed between feeds (raised
+    once the peer has authenticated).
     """
 
     def __init__(self, max_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buf = bytearray()
-        self._max = max_bytes
+        self.max_bytes = max_bytes
 
     @property
     def pending(self) -> int:
@@ -174,12 +236,13 @@ class FrameDecoder:
         off, n = 0, len(buf)
         try:
             while n - off >= HEADER_BYTES:
-                length = parse_header(bytes(buf[off:off + HEADER_BYTES]), self._max)
+                length = parse_header(bytes(buf[off:off + HEADER_BYTES]), self.max_bytes)
                 end = off + HEADER_BYTES + length
                 if n < end:
                     break
                 raw = bytes(buf[off:end])
-                out.append((raw, decode_body(memoryview(raw)[HEADER_BYTES:])))
+                out.append((raw, decode_body(memoryview(raw)[HEADER_BYTES:],
+                                             self.max_bytes)))
                 off = end
         except WireError as exc:
             exc.partial = out  # the whole frames before the bad one, for the caller
@@ -201,10 +264,26 @@ def read_frame(stream: IO[bytes], max_bytes: int = MAX_FRAME_BYTES) -> Frame | N
     if len(header) < HEADER_BYTES:
         raise TruncatedStream(f"stream ends inside a frame header ({len(header)} bytes)")
     length = parse_header(header, max_bytes)
-    body = stream.read(length)
+    body = _read_up_to(stream, length)
     if len(body) < length:
         raise TruncatedStream(f"stream ends inside a frame body ({len(body)} of {length} bytes)")
-    return decode_body(body)
+    return decode_body(body, max_bytes)
+
+
+def _read_up_to(stream: IO[bytes], length: int) -> bytes:
+    """Up to ``length`` bytes of ``stream``, read in growing chunks: what this allocates
+    is in proportion to what the stream holds, not to what a header claims (a file's
+    ``read(n)`` allocates ``n`` bytes first)."""
+    chunks: list[bytes] = []
+    got, chunk = 0, 1 << 16
+    while got < length:
+        part = stream.read(min(chunk, length - got))
+        if not part:
+            break
+        chunks.append(part)
+        got += len(part)
+        chunk *= 2
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def iter_frames(stream: IO[bytes], max_bytes: int = MAX_FRAME_BYTES) -> Iterator[Frame]:

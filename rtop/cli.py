@@ -15,6 +15,48 @@ from rtop import __version__
 from rtop.fmt import fixed
 from rtop.run.snapshot import Snapshot
 
+TOKEN_WARNING = ("rtop: warning: --token is visible to every user of this machine "
+                 "(ps, /proc/PID/cmdline); use RTOP_TOKEN or --token-file PATH instead")
+
+
+class UsageError(Exception):
+    """A command line that cannot be acted on; the message says why (exit status 2)."""
+
+
+def _add_token_args(parser: argparse.ArgumentParser, default_help: str) -> None:
+    """``--token`` and ``--token-file``, on every subcommand that talks to a hub."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--token-file", default=None, metavar="PATH",
+                       help="read the hub's token from PATH (chmod 600; refused if others "
+                            f"can read it). Default: $RTOP_TOKEN, $RTOP_TOKEN_FILE, "
+                            f"{default_help}")
+    group.add_argument("--token", default=None,
+                       help="the token itself: visible to other users in ps; prefer "
+                            "RTOP_TOKEN or --token-file")
+
+
+def resolve_token(args: argparse.Namespace) -> str | None:
+    """The token a subcommand was given: ``--token-file``, ``--token`` (with a warning:
+    other users see command lines), ``$RTOP_TOKEN``, ``$RTOP_TOKEN_FILE``, else None.
+
+    A token file readable by others, or not the user's, raises :class:`UsageError`.
+    """
+    from collectors.config import TokenFileError, read_token_file
+
+    try:
+        if getattr(args, "token_file", None):
+            return read_token_file(args.token_file)
+        if getattr(args, "token", None) is not None:
+            print(TOKEN_WARNING, file=sys.stderr)
+            return str(args.token)
+        if os.environ.get("RTOP_TOKEN"):
+            return os.environ["RTOP_TOKEN"]
+        if os.environ.get("RTOP_TOKEN_FILE"):
+            return read_token_file(os.environ["RTOP_TOKEN_FILE"])
+    except TokenFileError as exc:
+        raise UsageError(str(exc)) from None
+    return None
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every ``rtop`` subcommand."""
@@ -29,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     attach = sub.add_parser("attach", help="open the UI on a running job's hub")
     attach.add_argument("address", nargs="?", help="hub host:port (default: discover)")
-    attach.add_argument("--token", default=None, help="the hub's token (default $RTOP_TOKEN)")
+    _add_token_args(attach, "the discovered hub's")
     attach.add_argument("--rate", type=float, default=2.0, metavar="HZ",
                         help="updates per second (default 2)")
 
@@ -42,8 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default loopback only)")
     serve.add_argument("--port", type=int, default=0, help="port (default: any free one)")
-    serve.add_argument("--token", default=None,
-                       help="token every connection must present (default: a random one)")
+    _add_token_args(serve, "a random one. Every connection must present it")
     serve.add_argument("--record", default=None, metavar="PATH",
                        help="recording file (default: $RTOP_RUNS_DIR or "
                             "~/.local/share/rtop/runs/<job>-<time>.rtop)")
@@ -68,10 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="print the ranks of a live job once")
     status.add_argument("address", nargs="?", help="hub host:port (default: discover)")
-    status.add_argument("--token", default=None)
+    _add_token_args(status, "the discovered hub's")
     status.add_argument("--json", action="store_true")
 
     sub.add_parser("list", help="list the hubs rtop can find")
+
+    token = sub.add_parser(
+        "token", help="print one role's token (ingest, view, control), derived from the "
+                      "hub's master token",
+        description="Print the token of one role, derived from the hub's master token: "
+                    "give ranks the ingest token, viewers and Prometheus the view token, "
+                    "and only those who may act on the job the control token.")
+    token.add_argument("role", choices=["ingest", "view", "control"])
+    token.add_argument("address", nargs="?", help="hub host:port (default: discover)")
+    _add_token_args(token, "the discovered hub's")
 
     demo = sub.add_parser(
         "demo", help="run a real Ray Train job with an injected fault and watch it",
@@ -102,6 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.INFO if args.command == "serve" else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        return _run(args)
+    except UsageError as exc:
+        prog = f"rtop {args.command}" if args.command else "rtop"
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return cmd_serve(args)
     if args.command == "report":
@@ -110,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_status(args)
     if args.command == "list":
         return cmd_list()
+    if args.command == "token":
+        return cmd_token(args)
     if args.command == "attach":
         return cmd_attach(args)
     if args.command == "replay":
@@ -122,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return demo.run(args.fault, args.workers, headless=args.headless,
                         duration_s=args.duration, record=args.record)
-    return cmd_attach(argparse.Namespace(address=None, token=None, rate=2.0, web=args.web,
-                                         web_port=args.web_port))
+    return cmd_attach(argparse.Namespace(address=None, token=None, token_file=None, rate=2.0,
+                                         web=args.web, web_port=args.web_port))
 
 
 def _web(args: argparse.Namespace, argv: list[str]) -> int:
@@ -135,7 +197,7 @@ def _web(args: argparse.Namespace, argv: list[str]) -> int:
 
 def cmd_attach(args: argparse.Namespace) -> int:
     """``rtop [attach [ADDRESS]]``: the UI on a live job."""
-    picked = _pick_hub(args.address, args.token)
+    picked = _pick_hub(args.address, resolve_token(args))
     if picked is None:
         return 1
     address, token = picked
@@ -185,39 +247,55 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``rtop serve``: a hub in the foreground until Ctrl-C."""
-    from collectors.discovery import runtime_dir
+    from rtop.discovery import hub_file_path
     from rtop.hub.server import HubConfig, is_loopback
     from rtop.hub.service import serve
 
-    if not is_loopback(args.host) and args.token == "":
+    token = resolve_token(args)
+    if not is_loopback(args.host) and token == "":
         print("rtop serve: refusing to listen beyond loopback without a token",
               file=sys.stderr)
         return 2
     discovery = args.discovery_file
     if discovery is None:
-        name = args.job or f"serve-{os.getpid()}"
-        discovery = str(runtime_dir() / f"hub-{name}.json")
+        try:  # the job's name made safe: no name leads the file out of the directory
+            discovery = str(hub_file_path(args.job or f"serve-{os.getpid()}"))
+        except (OSError, ValueError) as exc:
+            print(f"rtop serve: no discovery file, `rtop` will not find this hub by "
+                  f"itself: {exc}", file=sys.stderr)
     linger = args.linger if args.linger is not None else (300.0 if args.auto else None)
     nice = args.nice if args.nice is not None else (10 if args.auto else 0)
     if nice > 0:
         from rtop.hub.service import lower_priority
 
         lower_priority(nice)
-    cfg = HubConfig(host=args.host, port=args.port, token=args.token, job=args.job,
+    cfg = HubConfig(host=args.host, port=args.port, token=token or None, job=args.job,
                     record="" if args.no_record else args.record, linger_s=linger,
                     discovery_file=discovery)
 
     def ready(hub: Any) -> None:
         rec = hub.recorder.path if hub.recorder else "off"
-        # the token is printed once, to the person who started the hub, and never logged
-        print(f"rtop hub {hub.address}\n  RTOP_HUB={hub.address} RTOP_TOKEN={hub.token}\n"
-              f"  recording: {rec}", flush=True)
+        if token or args.auto:
+            # the user has the token already; a hub that the collectors started writes
+            # this to its log file: the token is in the 0600 discovery file only
+            where = "as given" if token else f"in {discovery}"
+            line = f"  RTOP_HUB={hub.address}  (token {where})"
+        else:  # a fresh token, printed once, to the person who started the hub
+            line = (f"  RTOP_HUB={hub.address} RTOP_TOKEN={hub.token}  (master: every "
+                    f"role)\n  ranks: RTOP_TOKEN={hub.role_token('ingest')}\n"
+                    f"  viewers, Prometheus: RTOP_TOKEN={hub.role_token('view')}\n"
+                    f"  control (profile, probe, stacks): "
+                    f"RTOP_TOKEN={hub.role_token('control')}")
+        print(f"rtop hub {hub.address}\n{line}\n  recording: {rec}", flush=True)
 
     try:
         asyncio.run(serve(cfg, ready, thresholds=args.thresholds))
     except OSError as exc:
         print(f"rtop serve: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a token no hub may use, bad thresholds
+        print(f"rtop serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -248,7 +326,7 @@ def _pick_hub(address: str | None, token: str | None) -> tuple[str, str | None] 
     from rtop.discovery import find_hubs
 
     if address:
-        return address, token or os.environ.get("RTOP_TOKEN")
+        return address, token
     hubs = find_hubs()
     if not hubs:
         print("rtop: no running job found. Start one with collectors.start() in your "
@@ -256,7 +334,7 @@ def _pick_hub(address: str | None, token: str | None) -> tuple[str, str | None] 
               "at a hub elsewhere.", file=sys.stderr)
         return None
     if len(hubs) == 1:
-        return hubs[0].address, hubs[0].token
+        return hubs[0].address, hubs[0].token or token
     print("rtop: several jobs are running:")
     for i, hub in enumerate(hubs, 1):
         print(f"  {i}. {hub.label()}")
@@ -267,7 +345,7 @@ def _pick_hub(address: str | None, token: str | None) -> tuple[str, str | None] 
     if not choice.isdigit() or not 1 <= int(choice) <= len(hubs):
         return None
     hub = hubs[int(choice) - 1]
-    return hub.address, hub.token
+    return hub.address, hub.token or token
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -276,7 +354,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from rtop.client import HubClient, HubError
 
-    picked = _pick_hub(args.address, args.token)
+    picked = _pick_hub(args.address, resolve_token(args))
     if picked is None:
         return 1
     try:
@@ -289,6 +367,27 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(snap, default=str))
     else:
         print(format_snapshot(snap))
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    """``rtop token ROLE``: the role's token, from the master token (given or found)."""
+    from collectors import auth
+
+    picked = _pick_hub(args.address, resolve_token(args))
+    if picked is None:
+        return 1
+    master = picked[1]
+    if not master:
+        print("rtop token: no token to derive it from: give the hub's with RTOP_TOKEN "
+              "or --token-file", file=sys.stderr)
+        return 2
+    held = auth.token_role(master)
+    if held is not None and held != args.role:
+        print(f"rtop token: a {held} token cannot give the {args.role} token; the "
+              f"hub's master token can", file=sys.stderr)
+        return 2
+    print(master if held else auth.role_token(master, args.role))
     return 0
 
 

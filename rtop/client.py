@@ -7,34 +7,83 @@ import time
 from collections.abc import Iterator
 from typing import Any, cast
 
-from collectors import wire
+from collectors import auth, wire
 from rtop.run.snapshot import RankDetail, Snapshot
+
+#: What each client role authenticates as (see :mod:`collectors.auth`).
+_KEY_ROLE = {"viewer": "view", "control": "control"}
 
 
 class HubError(RuntimeError):
-    """The hub refused us or the connection broke."""
+    """The hub refused us, could not prove itself, or the connection broke."""
 
 
 class HubClient:
-    """Connects to a hub as a viewer. ``with HubClient(addr, token) as c: c.snapshot()``."""
+    """Connects to a hub as a viewer. ``with HubClient(addr, token) as c: c.snapshot()``.
 
-    def __init__(self, address: str, token: str | None, timeout: float = 10.0) -> None:
+    ``token`` is the hub's master token or, for a viewer, its view token (for
+    ``role="control"``, its control token). It is never sent: the client proves it
+    holds it, and first makes the hub prove that it does (:mod:`collectors.auth`); a
+    hub that cannot gets nothing more, and :class:`HubError` says so.
+    """
+
+    def __init__(self, address: str, token: str | None, timeout: float = 10.0,
+                 role: str = "viewer") -> None:
         host, port = wire.parse_address(address)
         self.address = address
+        if role not in _KEY_ROLE:
+            raise ValueError(f"unknown role {role!r} (viewer or control)")
+        key = auth.key_for(token, _KEY_ROLE[role])
+        if key is None:
+            what = "no token" if not token else \
+                f"a token for another role ({auth.token_role(token) or '?'})"
+            raise HubError(f"cannot connect to the hub at {address} as a {role}: {what}; "
+                           f"give the hub's token (RTOP_TOKEN) or its "
+                           f"{_KEY_ROLE[role]} token")
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise HubError(f"cannot reach the hub at {address}: {exc}") from None
-        self._dec = wire.FrameDecoder()
+        # small frames only until the hub has proved itself
+        self._dec = wire.FrameDecoder(wire.UNPROVEN_HUB_FRAME_BYTES)
         self._pending: list[wire.Frame] = []
-        self._sock.sendall(wire.encode(wire.KIND_HELLO, {
-            "role": "viewer", "token": token or "",
-            "clock": {"t_wall": time.time()}}))
+        try:
+            self._handshake(role, key)
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def _handshake(self, role: str, key: bytes) -> None:
+        nonce = auth.new_nonce()
+        self._send(wire.KIND_HELLO, {"role": role, "nonce": nonce,
+                                     "clock": {"t_wall": time.time()}})
         first = self._next()
         if first.kind == wire.KIND_ERROR:
-            raise HubError(f"the hub refused us: {first.payload.get('message')}")
-        if first.kind != wire.KIND_WELCOME:
-            raise HubError(f"unexpected first frame {first.kind!r}")
+            raise HubError(f"the hub at {self.address} refused us: "
+                           f"{_clip(first.payload.get('message'))}")
+        hub_nonce = first.payload.get("nonce")
+        if first.kind != wire.KIND_CHALLENGE or not isinstance(hub_nonce, bytes) \
+                or not auth.valid_nonce(hub_nonce) \
+                or not auth.check(auth.hub_proof(key, role, nonce, hub_nonce),
+                                  first.payload.get("proof")):
+            raise HubError(f"the hub at {self.address} could not prove it holds the token "
+                           f"(is the token right? or that is not the hub it should be); "
+                           f"nothing sent to it")
+        self._dec.max_bytes = wire.MAX_FRAME_BYTES
+        self._send(wire.KIND_AUTH, {"proof": auth.client_proof(key, role, hub_nonce, nonce)})
+        welcome = self._next()
+        if welcome.kind == wire.KIND_ERROR:
+            raise HubError(f"the hub at {self.address} refused us: "
+                           f"{_clip(welcome.payload.get('message'))}")
+        if welcome.kind != wire.KIND_WELCOME:
+            raise HubError(f"unexpected frame {_clip(welcome.kind, 40)!r} from the hub at "
+                           f"{self.address}")
+
+    def _send(self, kind: str, payload: dict[str, Any]) -> None:
+        try:
+            self._sock.sendall(wire.encode(kind, payload))
+        except OSError as exc:
+            raise HubError(f"connection to the hub broke: {exc}") from None
 
     def _next(self) -> wire.Frame:
         while not self._pending:
@@ -44,7 +93,11 @@ class HubClient:
                 raise HubError(f"connection to the hub broke: {exc}") from None
             if not data:
                 raise HubError("the hub closed the connection")
-            self._pending += self._dec.feed(data)
+            try:
+                self._pending += self._dec.feed(data)
+            except wire.WireError as exc:
+                raise HubError(f"bad frame from the hub at {self.address}: "
+                               f"{_clip(exc)}") from None
         return self._pending.pop(0)
 
     def _expect(self, kind: str) -> dict[str, Any]:
@@ -53,21 +106,21 @@ class HubClient:
             if frame.kind == kind:
                 return frame.payload
             if frame.kind == wire.KIND_ERROR:
-                raise HubError(str(frame.payload.get("message")))
+                raise HubError(_clip(frame.payload.get("message"), 200))
 
     def snapshot(self) -> Snapshot:
         """The hub's current snapshot."""
-        self._sock.sendall(wire.encode(wire.KIND_REQUEST, {"what": "snapshot"}))
+        self._send(wire.KIND_REQUEST, {"what": "snapshot"})
         return cast(Snapshot, self._expect(wire.KIND_SNAPSHOT))
 
     def rank(self, rank: int) -> RankDetail:
         """One rank's full window (histories, stack, events)."""
-        self._sock.sendall(wire.encode(wire.KIND_REQUEST, {"what": "rank", "rank": rank}))
+        self._send(wire.KIND_REQUEST, {"what": "rank", "rank": rank})
         return cast(RankDetail, self._expect("rank"))
 
     def subscribe(self, rate_hz: float = 2.0) -> Iterator[Snapshot]:
         """Snapshots pushed by the hub at ``rate_hz``."""
-        self._sock.sendall(wire.encode(wire.KIND_SUBSCRIBE, {"rate_hz": rate_hz}))
+        self._send(wire.KIND_SUBSCRIBE, {"rate_hz": rate_hz})
         while True:
             yield cast(Snapshot, self._expect(wire.KIND_SNAPSHOT))
 
@@ -80,3 +133,9 @@ class HubClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _clip(text: object, limit: int = 120) -> str:
+    """What a hub sent, cut short for an error message."""
+    s = str(text)
+    return s if len(s) <= limit else s[:limit] + "..."

@@ -1,5 +1,12 @@
 """Finding running hubs from a viewer's side: the environment, this user's hub files,
-and the hub actors of a Ray cluster this machine belongs to."""
+and the hub actors of a Ray cluster this machine belongs to; and writing a hub's file.
+
+Hub files (written by ``rtop.hub.service.write_hub_file``) live in the user's private
+runtime directory (``collectors.discovery.
+runtime_dir``: 0700, the user's own, not a link) and are read only when they are
+0600 and the user's own, so another local user can neither read a token nor plant a
+file that points rtop at their hub.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from collectors.discovery import RAY_NAMESPACE, read_hub_file, runtime_dir
+from collectors.discovery import RAY_NAMESPACE, read_hub_file, runtime_dir, safe_name
 
 log = logging.getLogger("rtop")
 
@@ -54,6 +61,17 @@ def from_files(directory: Path | None = None) -> list[FoundHub]:
     return found
 
 
+def hub_file_path(job: str, directory: Path | None = None) -> Path:
+    """Where a hub for ``job`` leaves its file: ``hub-<job>.json`` in the runtime
+    directory, the job's name made safe (:func:`collectors.discovery.safe_name`), so
+    that no name can lead the file elsewhere."""
+    rdir = directory or runtime_dir()
+    path = rdir / f"hub-{safe_name(job)}.json"
+    if path.parent != rdir:  # cannot happen with a safe name; never write elsewhere
+        raise ValueError(f"job name {job!r} does not make a file name")
+    return path
+
+
 def _ray_cluster_running() -> bool:
     """Whether this machine is part of a Ray cluster, without importing Ray (slow)."""
     ray = sys.modules.get("ray")
@@ -90,7 +108,13 @@ def from_ray() -> list[FoundHub]:
             with contextlib.suppress(Exception):
                 actor = ray.get_actor(name, namespace=ns)
                 info: dict[str, Any] = dict(ray.get(actor.info.remote(), timeout=10))
-                found.append(FoundHub(info["address"], info.get("token"),
+                token = None
+                if not info.get("token_given"):
+                    # the view token of a token the actor made is handed to whoever asks
+                    # in the cluster (rtop.hub.ray_actor); a token the job gave is not,
+                    # and the viewer uses its own (RTOP_TOKEN, --token-file)
+                    token = ray.get(actor.view_token.remote(), timeout=10)
+                found.append(FoundHub(info["address"], token,
                                       str(info.get("job", "")), "ray", info.get("record")))
     except Exception as exc:
         log.warning("rtop: could not list the Ray cluster's hubs: %s", exc)

@@ -7,17 +7,43 @@ A figure that was not measured is ``None`` (or NaN) and prints as :data:`NA`, ne
 from __future__ import annotations
 
 import math
+import unicodedata
 from typing import Final
 
 #: What a figure that was not measured prints as.
 NA: Final = "n/a"
+#: What a control or format character in a name is replaced with (visibly).
+REPLACEMENT: Final = "\ufffd"
+
+
+def safe_text(text: str, limit: int = 255, *, multiline: bool = False,
+              keep_end: bool = False) -> str:
+    """``text`` made safe to print on a terminal, log or draw in the UI.
+
+    At most ``limit`` characters (longer: cut, with "…" where it was cut: at the end,
+    or at the start with ``keep_end``, for a stack whose innermost frames are last).
+    Control characters (escape sequences, BEL, carriage return, ...), Unicode format
+    characters (bidirectional overrides, zero-width ones) and line or paragraph
+    separators become :data:`REPLACEMENT`; with ``multiline`` newlines and tabs stay
+    (``\r\n`` reads as a newline). Markup (``[bold]``, ``[@click=...]``) is left as
+    it is: it is text, and every view draws names as text, never as markup.
+    """
+    if len(text) > limit:
+        text = ("…" + text[len(text) - limit + 1:]) if keep_end else (text[:limit - 1] + "…")
+    if text.isprintable():
+        return text
+    if multiline:
+        text = text.replace("\r\n", "\n")
+    return "".join(
+        ch if ch.isprintable() or (multiline and ch in "\n\t")
+        or unicodedata.category(ch) == "Zs" else REPLACEMENT for ch in text)
 
 
 def num(x: object) -> float | None:
-    """A number or None (NaN, missing and non-numbers are None)."""
+    """A number or None (NaN, infinities, missing and non-numbers are None)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
-    return None if math.isnan(x) else float(x)
+    return float(x) if math.isfinite(x) else None
 
 
 def fmt_num(x: object, spec: str, scale: float = 1.0) -> str:
@@ -74,3 +100,4 @@ def fmt_duration(seconds: object) -> str:
     if s >= 3600:
         return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
     return f"{s // 60}:{s % 60:02d}"
+

@@ -18,7 +18,7 @@ from typing import Any
 from collectors import wire
 from collectors.schema import GPU_FIELDS, MEM_FIELDS, STEP_FIELDS
 from rtop.analysis import AnalysisConfig, Monitor
-from rtop.fmt import fixed
+from rtop.fmt import fixed, safe_text
 from rtop.run.recording import ReadResult, replay
 from rtop.run.state import RankState, RunState
 
@@ -137,7 +137,8 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None
 
     def on_frame(t_hub: float, frame: wire.Frame, st: RunState) -> None:
         if frame.kind == wire.KIND_BATCH:
-            rs = st.rank_state(frame.payload["rank"], frame.payload.get("group"))
+            group = frame.payload.get("group")  # as the state keeps it (made safe)
+            rs = st.rank_state(frame.payload["rank"], safe_text(group) if group else None)
             if rs is not None:
                 accs[id(rs)].add_batch(frame.payload)
         monitor.advance(t_hub)

@@ -1,7 +1,9 @@
 """A minimal real TCP listener that speaks the rank side of the wire protocol.
 
 Used by the collector tests, independently of the hub: it accepts
-connections, answers each hello with a welcome, and keeps every decoded frame.
+connections, goes through the hub's side of the handshake (:mod:`collectors.auth`: a
+challenge with its proof, the rank's proof checked, a welcome or a refusal), and
+keeps every decoded frame after it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from collectors import wire
+from collectors import auth, wire
 from collectors.schema import TABLES
 
 
@@ -45,8 +47,10 @@ class Listener:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        """One rank: the hub's side of the handshake, then every frame kept."""
         dec = wire.FrameDecoder()
-        rank = None
+        expect: bytes | None = None  # the proof the rank's auth must carry
+        hello: dict[str, Any] | None = None
         with conn:
             while not self._stop:
                 try:
@@ -56,15 +60,25 @@ class Listener:
                 if not data:
                     return
                 for frame in dec.feed(data):
-                    if frame.kind == wire.KIND_HELLO:
-                        if frame.payload.get("token") != self.token:
+                    if frame.kind == wire.KIND_HELLO and hello is None:
+                        key = auth.key_for(self.token, "ingest")
+                        assert key is not None
+                        nonce, mine = frame.payload["nonce"], auth.new_nonce()
+                        expect = auth.client_proof(key, "rank", mine, nonce)
+                        hello = frame.payload
+                        conn.sendall(wire.encode(wire.KIND_CHALLENGE, {
+                            "nonce": mine, "proof": auth.hub_proof(key, "rank", nonce, mine)}))
+                        continue
+                    if frame.kind == wire.KIND_AUTH and expect is not None:
+                        if not auth.check(expect, frame.payload.get("proof")):
                             self.refused += 1
                             conn.sendall(wire.encode(wire.KIND_ERROR, {
                                 "code": "token", "message": "wrong token"}))
                             return
-                        rank = frame.payload["identity"]["rank"]
+                        expect = None
+                        assert hello is not None
                         with self._lock:
-                            self.hellos[rank] = frame.payload
+                            self.hellos[hello["identity"]["rank"]] = hello
                         conn.sendall(wire.encode(wire.KIND_WELCOME, {"t_hub": time.time()}))
                         continue
                     with self._lock:

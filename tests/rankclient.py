@@ -1,5 +1,5 @@
 """A hand-driven rank for hub tests: speaks the protocol over a real socket, step by step,
-so a test can send exactly the frames (good or bad) it needs."""
+so a test can send exactly the frames (good or bad) it needs, the handshake included."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 import time
 from typing import Any
 
-from collectors import wire
+from collectors import auth, wire
 from collectors.schema import GPU_FIELDS, HEARTBEAT_FIELDS, STEP_FIELDS
 
 
@@ -44,19 +44,47 @@ def hb_row(phase: str = "compute", phase_s: float = 0.01, step: int = 0,
 
 
 class RankClient:
-    """One connection to a hub, as a rank."""
+    """One connection to a hub, as a rank (or ``role="viewer"``/``"control"``), from
+    ``source`` (another loopback address, say) if given.
+
+    With ``hello`` (the default) it goes through the handshake of
+    :mod:`collectors.auth`: hello with a nonce, the hub's challenge, its proof. Unlike
+    the collectors, it sends its proof even when the hub's did not check out (recorded
+    in ``hub_proven``), so a test sees the hub refuse a wrong token; what the hub sends
+    after the challenge (the welcome, an error) is left for :meth:`recv`.
+    """
 
     def __init__(self, address: str, token: str, rank: int = 0, *, hello: bool = True,
-                 **ident: Any) -> None:
-        self.sock = socket.create_connection(wire.parse_address(address), timeout=10)
+                 role: str = "rank", source: str | None = None, **ident: Any) -> None:
+        self.sock = socket.create_connection(wire.parse_address(address), timeout=10,
+                                             source_address=(source, 0) if source else None)
         self.dec = wire.FrameDecoder()
         self.rank = rank
         self.group = ident.get("group", "g0")
         self.frames: list[wire.Frame] = []
+        self.hub_proven: bool | None = None
+        self.challenge: wire.Frame | None = None
         if hello:
-            self.send(wire.KIND_HELLO, {"role": "rank", "token": token,
-                                        "identity": identity(rank, **ident),
-                                        "clock": {"t_wall": time.time()}})
+            extra = {"identity": identity(rank, **ident)} if role == "rank" else {}
+            self.handshake(token, role, {"clock": {"t_wall": time.time()}, **extra})
+
+    def handshake(self, token: str, role: str, hello: dict[str, Any]) -> bool:
+        """hello -> challenge -> auth; True if the hub proved it holds ``token``. A hub
+        that answers the hello with something else (an error) leaves it to :meth:`recv`."""
+        nonce = auth.new_nonce()
+        self.send(wire.KIND_HELLO, {"role": role, "nonce": nonce, **hello})
+        frame = self.recv()
+        if frame is None or frame.kind != wire.KIND_CHALLENGE:
+            if frame is not None:
+                self.frames.insert(0, frame)
+            return False
+        self.challenge = frame
+        hub_nonce = frame.payload["nonce"]
+        key = auth.key_for(token, auth.HELLO_ROLES[role]) or b"no key for this role"
+        self.hub_proven = auth.check(auth.hub_proof(key, role, nonce, hub_nonce),
+                                     frame.payload.get("proof"))
+        self.send(wire.KIND_AUTH, {"proof": auth.client_proof(key, role, hub_nonce, nonce)})
+        return self.hub_proven
 
     def send(self, kind: str, payload: dict[str, Any]) -> None:
         self.sock.sendall(wire.encode(kind, payload))

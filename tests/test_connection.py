@@ -1,5 +1,5 @@
-"""HubConnection on its own, against real sockets: states, ping, refusal, control frames,
-the limits on what waits unsent, and the bye."""
+"""HubConnection on its own, against real sockets: states, the handshake, ping, refusal,
+control frames, the limits on what waits unsent, and the bye."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from collectors import wire
+from collectors import auth, wire
 from collectors.config import ProbeConfig
 from collectors.connection import ConnState, HubConnection
 from collectors.identity import detect
@@ -31,7 +31,7 @@ def _batch(seq: int, pad: int = 0) -> bytes:
     return wire.encode(wire.KIND_BATCH, {"rank": 0, "group": "g", "seq": seq, "pad": b"x" * pad})
 
 
-def _conn(hub: str, token: str = "", **settings) -> HubConnection:
+def _conn(hub: str, token: str = "tok", **settings) -> HubConnection:
     cfg = ProbeConfig(**{"hub": hub, "token": token, "backoff_initial_s": 0.01,
                          "backoff_max_s": 0.05, **settings})
     return HubConnection(cfg, detect())
@@ -50,6 +50,7 @@ class ScriptedHub:
     def accept(self) -> None:
         self.conn, _ = self._srv.accept()
         self.conn.settimeout(10)
+        self._dec = wire.FrameDecoder()
 
     def send(self, kind: str, payload: dict) -> None:
         assert self.conn is not None
@@ -62,6 +63,26 @@ class ScriptedHub:
             if frames:
                 assert len(frames) == 1, frames
                 return frames[0]
+
+    def challenge(self, hello: wire.Frame, token: str = "tok") -> bytes:
+        """Answer a rank's hello with a challenge proving ``token``; the proof its auth
+        must carry."""
+        key = auth.key_for(token, "ingest")
+        assert key is not None
+        nonce = auth.new_nonce()
+        self.send(wire.KIND_CHALLENGE, {"nonce": nonce, "proof": auth.hub_proof(
+            key, "rank", hello.payload["nonce"], nonce)})
+        return auth.client_proof(key, "rank", nonce, hello.payload["nonce"])
+
+    def handshake(self, conn: HubConnection, token: str = "tok") -> wire.Frame:
+        """Accept, read the hello, prove ``token``, check the rank's proof (pumping
+        ``conn`` meanwhile); the hello."""
+        self.accept()
+        hello = self.read()
+        expect = self.challenge(hello, token)
+        _pump_until(conn, "the hub's proof", lambda: conn.state is ConnState.AUTH)
+        assert self.read() == wire.Frame(wire.KIND_AUTH, {"proof": expect})
+        return hello
 
     def close(self) -> None:
         if self.conn is not None:
@@ -85,9 +106,14 @@ def test_states_hello_welcome_ping_control(hub):
     assert conn.state is ConnState.HELLO
     hub.accept()
     hello = hub.read()
-    assert hello.kind == wire.KIND_HELLO and hello.payload["token"] == "t"
+    assert hello.kind == wire.KIND_HELLO and "token" not in hello.payload  # never sent
+    assert "t" not in [v for v in hello.payload.values() if isinstance(v, str)]
+    assert isinstance(hello.payload["nonce"], bytes) and len(hello.payload["nonce"]) >= 16
     assert hello.payload["role"] == "rank" and hello.payload["identity"]["rank"] == 0
     conn.send(_batch(1), 3)  # queued: no batch goes out before the welcome
+    expect = hub.challenge(hello, token="t")
+    _pump_until(conn, "the hub's proof", lambda: conn.state is ConnState.AUTH)
+    assert hub.read() == wire.Frame(wire.KIND_AUTH, {"proof": expect})
     hub.send(wire.KIND_WELCOME, {"t_hub": 1.0})
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
     assert conn.connects == 1 and conn.hub_info["t_hub"] == 1.0
@@ -107,8 +133,7 @@ def test_states_hello_welcome_ping_control(hub):
 def test_control_frames_without_a_handler_or_with_a_failing_one_are_harmless(hub):
     conn = _conn(hub.address)
     conn.pump(time.monotonic())
-    hub.accept()
-    hub.read()
+    hub.handshake(conn)
     hub.send(wire.KIND_WELCOME, {})
     hub.send(wire.KIND_CONTROL, {"command": "profile"})  # ignored: no handler
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
@@ -124,6 +149,90 @@ def test_control_frames_without_a_handler_or_with_a_failing_one_are_harmless(hub
     assert hub.read().kind == wire.KIND_PONG
     assert conn.state is ConnState.UP, "a control handler's error dropped the connection"
     conn.close()
+
+
+def _sent_nothing_more(sock: socket.socket) -> bool:
+    """True if the rank closed ``sock`` without sending anything more."""
+    sock.settimeout(2)
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:  # closed with the hub's frames unread
+        return True
+
+
+def test_a_hub_that_cannot_prove_itself_gets_nothing_more(hub):
+    """Whoever listens on the hub's port without the token: its challenge does not
+    check out, so the rank sends no proof and no batch, ignores the welcome and the
+    control frame that follow, closes and retries later."""
+    controls: list[wire.Frame] = []
+    conn = _conn(hub.address, token="the-real-token")
+    conn.on_control = controls.append
+    conn.send(_batch(1), 1)
+    conn.pump(time.monotonic())
+    hub.accept()
+    hello = hub.read()
+    hub.challenge(hello, token="a-guess")
+    hub.send(wire.KIND_WELCOME, {})
+    hub.send(wire.KIND_CONTROL, {"command": "profile"})
+    _pump_until(conn, "the hub to be distrusted", lambda: conn.unproven_hubs == 1)
+    assert conn.state is ConnState.DOWN and conn.socket is None
+    assert _sent_nothing_more(hub.conn)
+    assert not controls and conn.connects == 0
+    assert conn.sent_records == 0 and conn.queued_frames == 1  # kept for the real hub
+
+
+def test_anything_but_a_challenge_before_the_proof_closes_the_connection(hub):
+    """A welcome, a ping or a control frame before the hub proved itself: an older hub,
+    or not a hub. Nothing is acted upon."""
+    controls: list[wire.Frame] = []
+    conn = _conn(hub.address)
+    conn.on_control = controls.append
+    conn.pump(time.monotonic())
+    hub.accept()
+    hub.read()
+    hub.send(wire.KIND_CONTROL, {"command": "profile"})
+    hub.send(wire.KIND_WELCOME, {})
+    hub.send(wire.KIND_PING, {"seq": 1})
+    _pump_until(conn, "the hub to be distrusted", lambda: conn.unproven_hubs == 1)
+    assert conn.state is ConnState.DOWN and not controls and conn.connects == 0
+    assert _sent_nothing_more(hub.conn)
+
+
+def test_frames_from_the_hub_are_small_or_the_connection_closes(hub):
+    """Before the proof, 4 kB at most; after, 64 kB: a bigger one closes the connection
+    (read no further than its header) and the rank reconnects."""
+    conn = _conn(hub.address)
+    conn.pump(time.monotonic())
+    hub.accept()
+    hub.read()
+    hub.conn.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION,
+                                      wire.UNPROVEN_HUB_FRAME_BYTES + 1))
+    _pump_until(conn, "the connection to close", lambda: conn.state is ConnState.DOWN)
+    assert conn.unproven_hubs == 1
+    _pump_until(conn, "the reconnect", lambda: conn.state is ConnState.HELLO)
+    hub.handshake(conn)  # this time the hub proves itself
+    hub.send(wire.KIND_WELCOME, {})
+    _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
+    hub.send(wire.KIND_PING, {"seq": 1, "pad": b"p" * (wire.RANK_FRAME_BYTES - 100)})
+    _pump_until(conn, "the pong", lambda: bool(select.select([hub.conn], [], [], 0)[0]))
+    assert hub.read().kind == wire.KIND_PONG  # 64 kB: fine
+    hub.send(wire.KIND_PING, {"seq": 2, "pad": b"p" * wire.RANK_FRAME_BYTES})
+    _pump_until(conn, "the connection to close", lambda: conn.state is ConnState.DOWN)
+    assert conn.connects == 1
+
+
+def test_no_token_no_connection():
+    """Without a token the rank could not tell its hub from an impostor: it does not
+    connect (and says so once)."""
+    listener = Listener(token="tok")
+    try:
+        conn = _conn(listener.address, token="")
+        conn.pump(time.monotonic())
+        assert conn.socket is None and conn.connect_failures == 1
+        time.sleep(0.2)
+        assert not listener.hellos
+    finally:
+        listener.close()
 
 
 def test_refusal_closes_and_backs_off(hub):
@@ -193,7 +302,9 @@ def test_stalled_hub_bounds_unsent_bytes(hub):
     conn.pump(time.monotonic())
     hub.accept()
     hub.conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    hub.read()
+    expect = hub.challenge(hub.read())
+    _pump_until(conn, "the hub's proof", lambda: conn.state is ConnState.AUTH)
+    assert hub.read().payload["proof"] == expect
     hub.send(wire.KIND_WELCOME, {})
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
     frame = _batch(0, pad=20_000)
@@ -247,7 +358,12 @@ def test_reconnect_requeues_frames_not_started():
     conn = _conn(f"127.0.0.1:{port}", token="tok")
     conn.pump(time.monotonic())
     peer, _ = first.accept()
-    peer.recv(65536)
+    scripted = ScriptedHub()
+    scripted._srv.close()
+    scripted.conn = peer
+    scripted.challenge(scripted.read())
+    _pump_until(conn, "the hub's proof", lambda: conn.state is ConnState.AUTH)
+    scripted.read()
     peer.sendall(wire.encode(wire.KIND_WELCOME, {}))
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
     peer.close()

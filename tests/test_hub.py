@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from collectors import wire
+from collectors import auth, wire
 from rtop.client import HubClient, HubError
 from rtop.hub.server import HubConfig
 from rtop.hub.service import ThreadedHub
@@ -85,9 +85,15 @@ def test_wrong_token_refused_and_others_unaffected(hub, caplog):
         frame = bad.recv()
         assert frame.kind == wire.KIND_ERROR and frame.payload["code"] == "token"
         assert bad.closed_by_hub()
+    assert bad.hub_proven is False  # the proofs cannot match either way
     assert "wrong token" in caplog.text
     assert hub.token not in caplog.text and "not-the-token" not in caplog.text
-    with pytest.raises(HubError, match="refused"):
+    # a viewer with a wrong token refused by the hub (when it sends its proof anyway) ...
+    viewer = RankClient(hub.address, "also-wrong", role="viewer")
+    frame = viewer.recv()
+    assert frame.kind == wire.KIND_ERROR and frame.payload["code"] == "token"
+    # ... and HubClient, which first checks the hub's proof, sends none and says so
+    with pytest.raises(HubError, match="could not prove it holds the token"):
         HubClient(hub.address, "also-wrong")
     good.batch(steps=[step_row(0)])
     assert wait_for(lambda: snapshot(hub)["ranks"]["step"] == [0])
@@ -212,32 +218,35 @@ def test_a_new_worker_group_is_a_new_attempt(hub):
 
 
 def test_slow_viewer_gets_fewer_snapshots_not_a_backlog(tmp_path):
-    from tests.rankclient import identity
-
     hub = ThreadedHub(record="", viewer_high_water=64 * 1024, lost_after_s=60).start()
 
-    r = RankClient(hub.address, hub.token, 0)
+    # one connection is one rank: 400 of them make a big snapshot
+    ranks = [RankClient(hub.address, hub.token, rank, world=400) for rank in range(400)]
+    r = ranks[0]
     assert r.recv().kind == wire.KIND_WELCOME
-    for rank in range(1, 400):  # one connection may introduce several ranks (a relay)
-        r.send(wire.KIND_HELLO, {"role": "rank", "token": hub.token,
-                                 "identity": identity(rank, world=400)})
     r.batch(steps=[step_row(i) for i in range(50)], gpu=[gpu_row()])
     assert wait_for(lambda: len(snapshot(hub)["ranks"]["rank"]) == 400)
     host, port = hub.address.rsplit(":", 1)
     lazy = socket.socket()
     lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: small window
     lazy.connect((host, int(port)))
-    lazy.sendall(wire.encode(wire.KIND_HELLO, {"role": "viewer", "token": hub.token}))
+    nonce, key = auth.new_nonce(), auth.key_for(hub.token, "view")
+    lazy.sendall(wire.encode(wire.KIND_HELLO, {"role": "viewer", "nonce": nonce}))
+    [challenge] = wire.FrameDecoder().feed(lazy.recv(4096))
+    lazy.sendall(wire.encode(wire.KIND_AUTH, {"proof": auth.client_proof(
+        key, "viewer", challenge.payload["nonce"], nonce)}))
     lazy.sendall(wire.encode(wire.KIND_SUBSCRIBE, {"rate_hz": 20}))  # ... and never read
     assert wait_for(lambda: hub.hub.counters["snapshots_skipped"] > 0, timeout=30)
     t0 = time.monotonic()
     assert len(snapshot(hub)["ranks"]["rank"]) == 400  # an attentive viewer: served at once
     assert time.monotonic() - t0 < 2.0
     lazy.close()
+    for c in ranks:
+        c.close()
     hub.stop()
 
 
-def test_prometheus_metrics_need_the_token(hub):
+def test_prometheus_metrics_need_the_view_token(hub):
     r = RankClient(hub.address, hub.token, 0)
     assert r.recv().kind == wire.KIND_WELCOME
     r.batch(steps=[step_row(3, step_s=0.25)])
@@ -246,7 +255,16 @@ def test_prometheus_metrics_need_the_token(hub):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(url, timeout=5)
     assert err.value.code == 401
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {hub.token}"})
+    view = auth.role_token(hub.token, "view")
+    with pytest.raises(urllib.error.HTTPError) as err:  # no token in URLs
+        urllib.request.urlopen(f"{url}?token={view}", timeout=5)
+    assert err.value.code == 401
+    for acting in (hub.token, auth.role_token(hub.token, "control")):  # never in a scraper
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {acting}"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+        assert err.value.code == 403
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {view}"})
     text = urllib.request.urlopen(req, timeout=5).read().decode()
     assert 'rtop_step_seconds{rank="0",node="node-a"} 0.25' in text
     assert 'rtop_rank_up{rank="0",node="node-a"} 1' in text

@@ -76,7 +76,9 @@ def test_hub_actor_is_made_through_the_seam(ray_cluster):
     actor = ray.get_actor(discovery.ray_actor_name(ident), namespace=discovery.RAY_NAMESPACE)
     try:
         info = ray.get(actor.info.remote(), timeout=60)
-        assert info["job"] == "seam-test" and info["token"] == token
+        # listing hubs never hands out the token; ranks get the one the actor made
+        assert info["job"] == "seam-test" and "token" not in info and token
+        assert info["token_given"] is False
         assert wire.parse_address(info["address"]) == (host, port)
         assert discovery.ray_hub(ident) == (host, port, token), "a second actor was made"
         client = RankClient(f"{host}:{port}", token, rank=0)
@@ -85,6 +87,46 @@ def test_hub_actor_is_made_through_the_seam(ray_cluster):
             assert frame is not None and frame.kind == wire.KIND_WELCOME, frame
         finally:
             client.close()
+        # any client of the cluster may call the actor: shutdown needs the master or
+        # control token, which never leave it (the ranks' ingest token is not enough)
+        for wrong in ((), ("not-the-token",), (token,)):
+            with pytest.raises(ray.exceptions.RayTaskError, match="master or control"):
+                ray.get(actor.shutdown.remote(*wrong), timeout=60)
+        assert ray.get(actor.info.remote(), timeout=60)["address"] == info["address"]
     finally:
-        ray.get(actor.shutdown.remote(), timeout=60)
+        ray.kill(actor)
+
+
+def test_hub_actor_never_hands_out_a_token_the_job_gave(ray_cluster):
+    """A job with a token of its own (RTOP_TOKEN in its runtime env) creates the actor
+    with it; the actor then gives no token to anyone, and the ranks use their own."""
+    import os
+
+    from collectors import discovery, wire
+    from collectors.identity import Identity
+    from tests.rankclient import RankClient
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {
+            "RTOP_RUNS_DIR": os.environ["RTOP_RUNS_DIR"]}})
+    ident = Identity(rank=0, local_rank=0, world_size=2, hostname="node-a", ip="127.0.0.1",
+                     pid=os.getpid(), job="seam-given", group="g0", source="ray")
+    host, port, token = discovery.ray_hub(ident, token="the-job-s-own-token")
+    assert token == "the-job-s-own-token"
+    actor = ray.get_actor(discovery.ray_actor_name(ident), namespace=discovery.RAY_NAMESPACE)
+    try:
+        assert ray.get(actor.address.remote(), timeout=60)[2] is None
+        assert ray.get(actor.view_token.remote(), timeout=60) is None
+        info = ray.get(actor.info.remote(), timeout=60)
+        assert "token" not in info and info["token_given"] is True
+        # a rank that has no token of its own gets none from the actor
+        assert discovery.ray_hub(ident) == (host, port, None)
+        client = RankClient(f"{host}:{port}", token, rank=0)
+        try:
+            frame = client.recv(timeout=20)
+            assert frame is not None and frame.kind == wire.KIND_WELCOME, frame
+        finally:
+            client.close()
+    finally:
+        ray.get(actor.shutdown.remote("the-job-s-own-token"), timeout=60)
         ray.kill(actor)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import struct
+import tracemalloc
 
 import msgpack
 import pytest
@@ -79,6 +80,53 @@ def test_no_pickle_or_extension_types():
     [decoded] = wire.FrameDecoder().feed(frame)
     # an ext type is never executed or unpickled: it stays an opaque value
     assert isinstance(decoded.payload["x"], msgpack.ExtType)
+
+
+def test_every_decoder_takes_a_limit_which_can_be_raised_later():
+    frame = wire.encode(wire.KIND_BATCH, {"pad": "x" * 5000})
+    body = frame[wire.HEADER_BYTES:]
+    with pytest.raises(wire.FrameTooLarge):
+        wire.FrameDecoder(max_bytes=4096).feed(frame)
+    with pytest.raises(wire.FrameTooLarge):
+        wire.decode_body(body, max_bytes=4096)
+    with pytest.raises(wire.FrameTooLarge):
+        wire.read_frame(io.BytesIO(frame), max_bytes=4096)
+    dec = wire.FrameDecoder(max_bytes=4096)  # e.g. until the peer has authenticated
+    dec.max_bytes = 8192
+    assert dec.feed(frame)[0].payload["pad"] == "x" * 5000
+
+
+def test_msgpack_limits_follow_the_decoders_limit():
+    assert wire.unpack_limits(1000) == {"max_str_len": 1000, "max_bin_len": 1000,
+                                        "max_array_len": 1000, "max_map_len": 500,
+                                        "max_ext_len": 1000}
+    # containers that claim more entries than a body of the limit could hold: refused
+    # before anything is allocated for them
+    for header in (b"\xdd" + struct.pack(">I", 10**6),  # array32
+                   b"\xdf" + struct.pack(">I", 10**6),  # map32
+                   b"\xdb" + struct.pack(">I", 10**6),  # str32
+                   b"\xc6" + struct.pack(">I", 10**6)):  # bin32
+        body = b"\x92\xa1k" + header + b"\x80" * 600
+        with pytest.raises(wire.MalformedFrame):
+            wire.decode_body(body, max_bytes=1000)
+
+
+@pytest.mark.parametrize("limit", [wire.PREAUTH_FRAME_BYTES, wire.MAX_FRAME_BYTES])
+def test_what_a_body_claims_costs_nothing_until_it_is_there(limit):
+    """Nested array headers that each claim 4,000 elements (less than the body's
+    length) and hold none: msgpack would preallocate each of its 1,024 levels (32 MB for
+    these 15 kB); refused after a walk that builds nothing."""
+    level = b"\xdc" + struct.pack(">H", 4000)
+    body = b"\x92\xa1k\x81\xa1a" + level * 5000
+    frame = wire.HEADER.pack(wire.MAGIC, wire.VERSION, len(body)) + body
+    tracemalloc.start()
+    try:
+        with pytest.raises(wire.MalformedFrame):
+            wire.FrameDecoder(limit).feed(frame)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{len(frame)} bytes made the decoder allocate {peak:,}"
 
 
 def test_stream_reader_reports_a_truncated_tail_after_the_whole_frames():

@@ -5,13 +5,19 @@ every half second of recorded time in a report). A finding starts after its cond
 held ``onset_evals`` times in a row and ends ``clear_s`` after it last held. Its
 ``episodes`` are what a report lists: every finding that ever started, when, for how
 long, on which ranks, with its worst evidence.
+
+Each detector runs on its own (:class:`DetectorErrors`): one that raises costs its own
+finding for that evaluation, logged once with its traceback, never the others' or the
+cycle.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from rtop.analysis import detectors as d
 from rtop.analysis.config import AnalysisConfig
@@ -20,48 +26,84 @@ from rtop.analysis.window import take
 from rtop.run.snapshot import EpisodeDict, FindingDict, Overview, Scaling, Severity
 from rtop.run.state import RunState
 
+log = logging.getLogger("rtop.analysis")
+R = TypeVar("R")
+
+
+class DetectorErrors:
+    """Runs each detector on its own: one that raises returns ``default`` (its finding
+    is skipped this time) and is logged once, with its traceback; ``counts`` says how
+    often each has failed."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def run(self, name: str, fn: Callable[..., R], *args: Any, default: R,
+            **kwargs: Any) -> R:
+        """``fn(*args, **kwargs)``, or ``default`` if it raises."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            n = self.counts.get(name, 0)
+            self.counts[name] = n + 1
+            if n == 0:
+                log.exception("rtop: the %s detector failed; it is skipped each time it "
+                              "fails (logged once), the other detectors run on", name)
+            return default
+
+
+#: Where :func:`evaluate` counts failures when it is given nowhere else.
+ERRORS = DetectorErrors()
+
 
 def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] | None = None,
-             now: float | None = None, overview: Overview | None = None
-             ) -> list[d.Finding]:
+             now: float | None = None, overview: Overview | None = None,
+             errors: DetectorErrors | None = None) -> list[d.Finding]:
     """Every finding whose condition holds now (no onset/clear).
 
     ``overview``, when given, is filled with what a viewer shows whether or not anything
     is wrong: the fabric class and its expected bus bandwidth, and the scaling figures
-    (efficiency, breakdown, what-if for more ranks).
+    (efficiency, breakdown, what-if for more ranks). A detector that raises costs its
+    own finding only (counted and logged once in ``errors``).
     """
-    w = take(state, cfg, now)
-    if w.n == 0:
+    run = (errors or ERRORS).run
+    w = run("window", take, state, cfg, now, default=None)
+    if w is None or w.n == 0:
         return []
     ctx = d.Context(w, cfg, active or {})
     if overview is not None:
-        cls = d.fabric_class(w, cfg)
-        scaling = d.low_scaling_efficiency(ctx, always=True)
+        cls = run("fabric_class", d.fabric_class, w, cfg, default="unknown")
+        scaling = run("low_scaling_efficiency", d.low_scaling_efficiency, ctx, always=True,
+                      default=None)
         overview["fabric"] = cls
         overview["expected_busbw_Bps"] = cfg.fabric_busbw.get(cls)
         overview["nodes"] = len(w.node)
         overview["scaling"] = cast(Scaling, scaling.evidence) if scaling is not None else None
     out: list[d.Finding] = []
     for fn in (d.lost_rank, d.hung_rank):  # these exclude ranks from the comparisons
-        f = fn(ctx)
+        f = run(fn.__name__, fn, ctx, default=None)
         if f is not None:
             out.append(f)
     if not ctx.excluded:
         # with a rank hung or gone the others wait in the collective: their step and
         # collective figures say nothing about data, compute or the fabric
-        inputs = d.input_findings(ctx)
+        none: list[d.Finding] = []
+        inputs = run("input_findings", d.input_findings, ctx, default=none)
         out += inputs
         starved = {r for f in inputs if f.kind == "starved_rank" for r in f.ranks}
-        link = d.slow_link(ctx)
+        link = run("slow_link", d.slow_link, ctx, default=None)
         # a slow link explains low efficiency: one finding, the efficiency in its evidence
-        efficiency = d.low_scaling_efficiency(ctx, always=link is not None)
+        efficiency = run("low_scaling_efficiency", d.low_scaling_efficiency, ctx,
+                         always=link is not None, default=None)
         if link is not None and efficiency is not None:
             link.evidence["scaling"] = efficiency.evidence
             efficiency = None
-        for f1 in (d.straggler(ctx, starved), link, efficiency):
+        straggler = run("straggler", d.straggler, ctx, starved, default=None)
+        for f1 in (straggler, link, efficiency):
             if f1 is not None:
                 out.append(f1)
-    for f2 in (d.gpu_throttled(ctx), d.memory_wall(ctx), d.checkpoint_interval(ctx)):
+    for fn2 in (d.gpu_throttled, d.memory_wall, d.checkpoint_interval):
+        f2 = run(fn2.__name__, fn2, ctx, default=None)
         if f2 is not None:
             out.append(f2)
     return out
@@ -111,6 +153,8 @@ class Analyzer:
         self.onsets: list[tuple[float, EpisodeDict]] = []  # (time, finding), newest last
         #: fabric and scaling figures of the last evaluation (see :func:`evaluate`)
         self.overview: Overview = {}
+        #: detectors that failed, and how often (each is logged once)
+        self.errors = DetectorErrors()
 
     def update(self, state: RunState, now: float | None = None) -> list[EpisodeDict]:
         """Evaluate once; return the active findings, worst first."""
@@ -118,7 +162,7 @@ class Analyzer:
         t0 = time.perf_counter()
         overview: Overview = {}
         found = evaluate(state, self.cfg, {k: ep.ranks for k, ep in self.active.items()}, t,
-                         overview)
+                         overview, self.errors)
         self.overview = overview
         self.last_eval_s = time.perf_counter() - t0
         seen = set()

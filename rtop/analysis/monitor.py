@@ -9,6 +9,7 @@ socket and the wall clock, or a recording and its ``clock`` frames).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Final
@@ -21,6 +22,8 @@ from rtop.run.state import RankState, RunState
 
 #: Seconds of the hub's time between two evaluations of the diagnosis.
 EVAL_EVERY_S: Final = 0.5
+
+log = logging.getLogger("rtop.analysis")
 
 
 @dataclass
@@ -47,21 +50,28 @@ class Monitor:
         self.analyzer = Analyzer(config) if diagnose else None
         self._next_eval = -math.inf
         self._findings: list[EpisodeDict] = []
+        self.failures = 0  # evaluations that failed as a whole (logged once)
 
     # ---- frames and time ----------------------------------------------------------------
 
-    def apply(self, frame: wire.Frame, t_hub: float, history: bool = True) -> RankState | None:
+    def apply(self, frame: wire.Frame, t_hub: float, history: bool = True, *,
+              peer: RankState | None = None) -> RankState | None:
         """One frame, received (or recorded) at hub time ``t_hub``; raises
-        :class:`~rtop.run.state.ProtocolError` for a frame that breaks the protocol."""
-        return self.state.apply(frame, t_hub, history)
+        :class:`~rtop.run.state.ProtocolError` for a frame that breaks the protocol.
+        ``peer``: the rank the frame's connection speaks for (see ``RunState.apply``)."""
+        return self.state.apply(frame, t_hub, history, peer=peer)
 
     def advance(self, t: float, *, force: bool = False, diagnose: bool = True
                 ) -> Evaluation | None:
         """Time has come to ``t``: when an evaluation is due (every
         :data:`EVAL_EVERY_S`, or ``force``), mark silent ranks lost and run the
         diagnosis (unless ``diagnose`` is False); returns what changed, or None when
-        nothing was due.
+        nothing was due (or ``t`` is no time: inf, nan). Never raises: a detector that
+        fails costs its own finding (``Analyzer.errors``), anything else this one
+        evaluation (both logged once).
         """
+        if not math.isfinite(t):
+            return None
         if not force and self._next_eval - EVAL_EVERY_S <= t < self._next_eval:
             return None  # not due yet (a clock that went backwards is due at once)
         self._next_eval = t + EVAL_EVERY_S
@@ -69,7 +79,14 @@ class Monitor:
         if self.analyzer is None or not diagnose:
             return out
         before = set(self.analyzer.active)
-        self._findings = self.analyzer.update(self.state, t)
+        try:
+            self._findings = self.analyzer.update(self.state, t)
+        except Exception:
+            self.failures += 1
+            if self.failures == 1:
+                log.exception("rtop: the diagnosis failed; the findings stay as they were "
+                              "until it works again (logged once)")
+            return out
         out.started = [f for f in self._findings if f["kind"] not in before]
         out.cleared = [kind for kind in before if kind not in self.analyzer.active]
         return out

@@ -95,8 +95,8 @@ def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
     keep_always[-cfg.recent_min_steps:] = True
     drop = old & ~keep_always[None, :]
     # a rank's warm-up steps are no measure of it (NaN until it has warmed up)
-    base = rings.base or 0.0  # the ring stores t_wall relative to it
-    warm = np.array([np.nan if rs.warm_wall is None else rs.warm_wall - base for rs in ranks])
+    base = rings.bases(slots)  # the ring stores t_wall relative to each slot's base
+    warm = np.array([np.nan if rs.warm_wall is None else rs.warm_wall for rs in ranks]) - base
     drop |= ~(t >= warm[:, None])
     last[drop] = np.nan
     med = nanmedian_rows(last)
@@ -117,8 +117,8 @@ def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, cfg: 
                               ).astype(np.float64)
     t, y = last[:, :, 0], last[:, :, 1]
     # only samples after the rank warmed up (NaN until then: no trend yet)
-    base = state.samples.base or 0.0  # the ring stores t_wall relative to it
-    warm = np.array([np.nan if rs.warm_wall is None else rs.warm_wall - base for rs in ranks])
+    base = state.samples.bases(slots)  # the ring stores t_wall relative to each slot's base
+    warm = np.array([np.nan if rs.warm_wall is None else rs.warm_wall for rs in ranks]) - base
     ok = ~(np.isnan(t) | np.isnan(y)) & (t >= warm[:, None])
     cnt = ok.sum(axis=1)
     tt = np.where(ok, t, 0.0)

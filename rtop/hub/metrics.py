@@ -1,4 +1,5 @@
-"""Prometheus exposition of a hub snapshot (``GET /metrics`` with the hub's token)."""
+"""Prometheus exposition of a hub snapshot (``GET /metrics`` with the hub's view token:
+the one token a scraper may hold, since it can never act on the job)."""
 
 from __future__ import annotations
 

@@ -5,44 +5,114 @@ in-rank package names this one), as a detached, zero-CPU named actor; its code r
 the actor's own process, where importing the application is fine. This module imports
 nothing of the hub until the actor starts, so a rank that merely names the class
 stays light.
+
+**The Ray trust boundary.** A named actor answers every client of the Ray cluster, and
+Ray itself authenticates nobody: whoever can reach the cluster (submit a job, run
+``ray.init(address=...)``) can run any code on any of its nodes as the user the job
+runs as, and so can read the job's memory, environment and files, or ``ray.kill`` the
+actor. rtop cannot protect a job from the members of its own Ray cluster, and does not
+try. What it does:
+
+* the hub's port is open to the network (ranks come from other nodes) and needs a
+  token: a host that can reach the port but is not in the cluster can neither feed,
+  read, nor act on the job;
+* a token the job gave (``RTOP_TOKEN`` in its runtime environment, or
+  ``collectors.start(token=...)``) is passed to the actor by the rank that creates it
+  and is never handed out: ranks and viewers use the one they were given;
+* without one (zero configuration), the actor makes a master token and hands out only
+  what each caller needs: :meth:`RayHubActor.address` the *ingest* token (to send
+  records, as ranks must) and :meth:`RayHubActor.view_token` the *view* token (to
+  watch); anyone in the cluster can have those, which grants nothing they could not
+  do already. The master and control tokens never leave the actor;
+* :meth:`RayHubActor.info`, what ``rtop list`` asks, never returns a token;
+* :meth:`RayHubActor.shutdown` stops the hub only for a caller that presents its
+  master or control token (compared in constant time): neither listing hubs, a rank,
+  a viewer nor a stray script can end a job's hub. Without a token of the job's own,
+  the hub ends by itself, ten minutes after the job and its viewers left.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hmac
+import logging
 from typing import Any
 
+from collectors import auth
 from collectors.wire import parse_address
 
 
 class RayHubActor:
     """Runs a job's hub on a thread of the actor's process, niced (on a node it shares
     with training workers, the workers come first); the actor exits with the hub, ten
-    minutes after the last rank and viewer left."""
+    minutes after the last rank and viewer left.
 
-    def __init__(self, job: str, record: str | None = None) -> None:
+    ``token``: the job's own (master) token, if it has one (never handed out); without
+    one the hub makes one, and :meth:`address` and :meth:`view_token` give out the
+    ingest and view tokens derived from it.
+    """
+
+    def __init__(self, job: str, record: str | None = None, token: str | None = None,
+                 host: str = "0.0.0.0") -> None:
         from rtop.hub.service import ThreadedHub
 
-        self._hub = ThreadedHub(job=job, record=record, host="0.0.0.0", linger_s=600.0,
-                                on_exit=self._exit, nice=10)
-        self._hub.start()
+        def start(master: str | None) -> ThreadedHub:
+            return ThreadedHub(job=job, record=record, host=host, token=master,
+                               linger_s=600.0, on_exit=self._exit, nice=10).start()
+
+        self._given = bool(token)
+        try:
+            self._hub = start(token or None)
+        except RuntimeError as exc:
+            if not self._given or not isinstance(exc.__cause__, ValueError):
+                raise
+            # a token no hub may use here (a role token, or too short for a port open
+            # to the network): the job's ranks get the ingest token of one made here
+            logging.getLogger("rtop.hub").warning(
+                "rtop hub actor: the job's token cannot be a hub's (%s); using a fresh "
+                "one, which ranks get from this actor", exc.__cause__)
+            self._given = False
+            self._hub = start(None)
 
     def _exit(self) -> None:
-        import ray
+        with contextlib.suppress(Exception):  # not in an actor (a test), or Ray going down
+            import ray
 
-        ray.actor.exit_actor()  # type: ignore[no-untyped-call]
+            ray.actor.exit_actor()  # type: ignore[no-untyped-call]
 
-    def address(self) -> tuple[str, int, str]:
-        """``(host, port, token)`` of the hub."""
+    def address(self) -> tuple[str, int, str | None]:
+        """``(host, port, ingest token)`` of the hub, for the job's ranks. The token is
+        None when the job gave its own (the ranks have it already); see the module's
+        docstring for whom a token made here is handed to."""
         host, port = parse_address(self._hub.address)
-        return host, port, self._hub.token
+        return host, port, self._role_token("ingest")
+
+    def view_token(self) -> str | None:
+        """The hub's view token, for viewers in the cluster (None when the job gave its
+        own token: a viewer then uses that one)."""
+        return self._role_token("view")
+
+    def _role_token(self, role: str) -> str | None:
+        return None if self._given else auth.role_token(self._hub.token, role)
 
     def info(self) -> dict[str, Any]:
-        """What ``rtop`` shows when listing hubs."""
-        return {"address": self._hub.address, "token": self._hub.token,
-                "job": self._hub.job, "record": self._hub.record_path}
+        """What ``rtop list`` shows: address, job, recording, and whether the job gave
+        its own token (``token_given``). Never the token."""
+        return {"address": self._hub.address, "job": self._hub.job,
+                "record": self._hub.record_path, "token_given": self._given}
 
-    def shutdown(self) -> str | None:
-        """Stop the hub (the recording is flushed and closed); returns its path."""
+    def shutdown(self, token: str | None = None) -> str | None:
+        """Stop the hub (the recording is flushed and closed) and return the
+        recording's path, for a caller that presents the hub's master or control
+        token; anyone else gets :class:`PermissionError` and the hub goes on."""
+        master = self._hub.token
+        allowed = (master, auth.role_token(master, "control"))
+        presented = token.encode() if isinstance(token, str) else b""
+        # every comparison is made, in constant time, whatever matched
+        ok = [hmac.compare_digest(presented, t.encode()) for t in allowed]
+        if not isinstance(token, str) or not any(ok):
+            raise PermissionError("rtop hub actor: shutdown needs the hub's master or "
+                                  "control token")
         path = self._hub.record_path
         self._hub.stop()
         return path

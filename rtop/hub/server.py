@@ -1,24 +1,42 @@
 """The hub: an asyncio TCP server where every rank's stream meets.
 
-One port serves three kinds of peer, told apart by what they send first:
+One port serves four kinds of peer, told apart by what they send first:
 
-* ranks: ``hello`` (identity, token, clock) then ``batch`` frames, answered with a
-  ``welcome`` and, now and then, a ``ping`` whose ``pong`` refreshes the rank's clock
-  offset;
+* ranks: ``hello`` (``role: rank``, identity, clock) then, once authenticated,
+  ``batch`` frames, answered with a ``welcome`` and, now and then, a ``ping`` whose
+  ``pong`` refreshes the rank's clock offset;
 * viewers: ``hello`` with ``role: viewer``, then ``subscribe`` (snapshots pushed at
   ``rate_hz``, default 2, at most 10) and ``request`` (a snapshot, or one rank's window);
-* Prometheus: an HTTP ``GET /metrics`` with ``Authorization: Bearer <token>``.
+* control peers: ``hello`` with ``role: control``: a viewer's frames and ``control``;
+* Prometheus: an HTTP ``GET /metrics`` with ``Authorization: Bearer <view token>``.
+
+Every peer but Prometheus authenticates by challenge-response (:mod:`collectors.auth`):
+``hello`` (role, nonce Nc) -> ``challenge`` (nonce Ns, the hub's proof) -> ``auth`` (the
+peer's proof) -> ``welcome``, or ``error`` with code ``token`` and the connection
+closed. No token ever travels; a rank's hello is applied and recorded only once it has
+authenticated, and without its nonce. Each role may then send only its own kinds
+(``wire.RANK_KINDS``, ``VIEWER_KINDS``, ``CONTROL_KINDS``): anything else is refused
+with an error and not recorded.
+
+Before a peer has authenticated it may send only small frames
+(``HubConfig.preauth_frame_bytes``), must finish within ``auth_timeout_s``, and such
+connections are capped, overall and per address, as are their pending bytes. HTTP
+requests have a deadline, a size limit and caps of their own. Off loopback, an address
+that fails to authenticate ``throttle_failures`` times within ``throttle_window_s`` is
+refused for ``throttle_block_s``. What is logged about a peer is cut short and quoted
+(``%r``), and refusals are logged at most once per address every ``log_every_s``, with
+a count of the rest.
 
 Connections are ``asyncio.Protocol`` objects: received bytes go straight through the
 frame decoder into the run state, with no coroutine or timer per frame, so one core
-ingests thousands of ranks. Timeouts (a peer that never speaks, half a frame, a silent
-rank), pings and viewer pushes run from one housekeeping loop. While the hub is busy
-it simply reads less: unread data stays in the kernel, and the ranks' own bounded
-buffers take it from there; nothing piles up in the hub.
+ingests thousands of ranks. Timeouts (a peer that never speaks or never authenticates,
+half a frame, a silent rank, a slow HTTP request), pings and viewer pushes run from one
+housekeeping loop. While the hub is busy it simply reads less: unread data stays in
+the kernel, and the ranks' own bounded buffers take it from there; nothing piles up in
+the hub.
 
-Every connection must present the hub's token (compared in constant time, never
-logged). Bad input gets one log line and that one connection closed; what was recorded
-stays recorded.
+Bad input gets one (rate-limited) log line and that one connection closed; what was
+recorded stays recorded.
 """
 
 from __future__ import annotations
@@ -33,22 +51,31 @@ import os
 import resource
 import secrets
 import socket
+import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collectors import wire
+from collectors import auth, wire
 from rtop import __version__
 from rtop.analysis.monitor import Evaluation, Monitor
 from rtop.hub.recorder import Recorder, default_record_path
 from rtop.run.snapshot import HubInfo, RankDetail, Snapshot
-from rtop.run.state import ProtocolError, RankState, RunState
+from rtop.run.state import MAX_RANKS, ProtocolError, RankState, RunState
 
 log = logging.getLogger("rtop.hub")
 
 MAX_VIEWER_HZ = 10.0
-HTTP_MAX_BYTES = 16384
+#: The most bytes of an HTTP request's head (request line and headers).
+HTTP_MAX_BYTES = 8192
+#: A token given for a hub that listens beyond loopback must be at least this long.
+MIN_TOKEN_CHARS = 16
+#: Characters of what a peer sent (a frame kind, an error's text) that reach the log.
+LOG_CHARS = 80
+#: Hello payload keys never recorded (what a handshake or an old client carries).
+SECRET_KEYS = frozenset({"token", "nonce", "proof"})
 
 
 @dataclass
@@ -57,16 +84,30 @@ class HubConfig:
 
     host: str = "127.0.0.1"
     port: int = 0
-    token: str | None = None  # None: a fresh random token
+    token: str | None = None  # the master token; None: a fresh random one
     record: str | Path | None = None  # None: default location; "" : no recording
     job: str = ""
     push_hz: float = 2.0
-    hello_timeout_s: float = 5.0
+    hello_timeout_s: float = 5.0  # a connection that never speaks is closed after this
+    auth_timeout_s: float = 5.0  # ... and one not authenticated after this
     idle_timeout_s: float = 120.0  # a rank connection silent this long is closed
     frame_timeout_s: float = 30.0  # a frame started and not finished within this
     ping_every_s: float = 10.0
     lost_after_s: float = 10.0
-    max_frame_bytes: int = wire.MAX_FRAME_BYTES
+    max_frame_bytes: int = wire.MAX_FRAME_BYTES  # once authenticated
+    preauth_frame_bytes: int = wire.PREAUTH_FRAME_BYTES  # before
+    max_unauth: int = 2048  # connections not yet authenticated, overall ...
+    max_unauth_per_addr: int = 256  # ... and from one address
+    max_unauth_pending_bytes: int = 8 << 20  # bytes of half frames they may hold, overall
+    http_deadline_s: float = 5.0  # an HTTP request must arrive whole within this
+    max_http: int = 64  # HTTP connections open at once, overall ...
+    max_http_per_addr: int = 8  # ... and from one address
+    throttle_failures: int = 5  # failed authentications from one address within ...
+    throttle_window_s: float = 60.0  # ... this long get that address ...
+    throttle_block_s: float = 60.0  # ... refused for this long
+    throttle_loopback: bool = False  # throttle loopback addresses too (tests)
+    log_every_s: float = 10.0  # at most one refusal logged per address this often ...
+    log_summary_s: float = 60.0  # ... and a count of the others this often
     flood_bytes_per_s: float = 32e6
     flood_frames_per_s: float = 5000.0
     flood_burst_s: float = 4.0
@@ -75,6 +116,7 @@ class HubConfig:
     discovery_file: str | Path | None = None
     window_steps: int = 1200
     window_samples: int = 600
+    max_ranks: int = MAX_RANKS  # ranks whose windows the hub holds at most (see RunState)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -86,6 +128,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def clip(text: object, limit: int = LOG_CHARS) -> str:
+    """What a peer sent, cut to ``limit`` characters for a log line (log it with %r)."""
+    s = text if isinstance(text, str) else str(text)
+    return s if len(s) <= limit else s[:limit] + "..."
 
 
 class _Bucket:
@@ -105,17 +153,99 @@ class _Bucket:
         return self.level >= 0
 
 
+class _PeerLog:
+    """Warnings about peers, at most one per address every ``every_s`` seconds; the
+    ones held back are counted and summed up every ``summary_s`` seconds."""
+
+    def __init__(self, every_s: float, summary_s: float) -> None:
+        self.every_s, self.summary_s = every_s, summary_s
+        self._last: dict[str, float] = {}
+        self._held = 0
+        self._held_from: set[str] = set()
+        self._next_summary = time.monotonic() + summary_s
+
+    def __call__(self, addr: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        last = self._last.get(addr)
+        if last is not None and now - last < self.every_s:
+            self._held += 1
+            if len(self._held_from) < 100_000:
+                self._held_from.add(addr)
+            return
+        if len(self._last) > 10_000:
+            self._last = {a: t for a, t in self._last.items() if now - t < self.every_s}
+        self._last[addr] = now
+        log.warning(msg, *args)
+
+    def tick(self, now: float) -> None:
+        if now < self._next_summary:
+            return
+        self._next_summary = now + self.summary_s
+        if self._held:
+            log.warning("rtop hub: %d more refusals from %d address%s in the last %.0f s "
+                        "were not logged one by one", self._held, len(self._held_from),
+                        "" if len(self._held_from) == 1 else "es", self.summary_s)
+        self._held = 0
+        self._held_from.clear()
+
+
+class _Throttle:
+    """Failed authentications per address; too many within a window block it a while."""
+
+    def __init__(self, failures: int, window_s: float, block_s: float) -> None:
+        self.failures, self.window_s, self.block_s = failures, window_s, block_s
+        self._fails: dict[str, deque[float]] = {}
+        self._blocked: dict[str, float] = {}
+
+    def blocked(self, addr: str, now: float) -> bool:
+        until = self._blocked.get(addr)
+        if until is None:
+            return False
+        if now >= until:
+            del self._blocked[addr]
+            return False
+        return True
+
+    def fail(self, addr: str, now: float) -> bool:
+        """Note a failure; True when it gets the address blocked."""
+        times = self._fails.setdefault(addr, deque())
+        times.append(now)
+        while times and now - times[0] > self.window_s:
+            times.popleft()
+        if len(times) >= self.failures:
+            self._blocked[addr] = now + self.block_s
+            del self._fails[addr]
+            return True
+        return False
+
+    def prune(self, now: float) -> None:
+        for addr in [a for a, t in self._fails.items() if not t or now - t[-1] > self.window_s]:
+            del self._fails[addr]
+        for addr in [a for a, until in self._blocked.items() if now >= until]:
+            del self._blocked[addr]
+
+
 class _Conn(asyncio.Protocol):
-    """One peer. ``role`` is None until its hello, then "rank", "viewer" or "http"."""
+    """One peer. ``role`` is None until it has authenticated (then "rank", "viewer" or
+    "control") or is known to speak HTTP ("http"); ``claimed`` is its hello's role while
+    the hub waits for its ``auth``."""
 
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
         self.transport: asyncio.Transport | None = None
-        self.dec = wire.FrameDecoder(hub.cfg.max_frame_bytes)
+        self.dec = wire.FrameDecoder(hub.cfg.preauth_frame_bytes)
         self.role: str | None = None
+        self.claimed: str | None = None
+        self.hello: dict[str, Any] | None = None  # a rank's hello, applied once it authenticates
+        self.expect = b""  # the proof its auth must carry
+        self.unauth = False  # counted among the connections not yet authenticated
+        self.pending = 0  # bytes of half frames counted while not authenticated
+        self.http_counted = False  # counted among the open HTTP connections
         self.who = "?"
+        self.addr = "?"
         now = time.monotonic()
         self.opened = self.last = now
+        self.spoke = False
         self.partial_since: float | None = None
         self.rank: RankState | None = None
         self.clean = False
@@ -135,31 +265,41 @@ class _Conn(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         peer = transport.get_extra_info("peername")
-        self.who = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        if isinstance(peer, tuple):
+            self.addr = str(peer[0])
+            self.who = f"{peer[0]}:{peer[1]}"
+        else:
+            self.addr = self.who = str(peer)
         self.hub._conns.add(self)
         self.hub.counters["connections"] += 1
+        self.hub._admit(self)
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
         now = time.monotonic()
         self.last = now
-        if self.role == "http" or (self.role is None and not self.dec.pending
+        self.spoke = True
+        if self.role == "http" or (self.role is None and self.claimed is None
+                                   and not self.dec.pending
                                    and data[:4] in (b"GET ", b"HEAD")):
-            self.role = "http"
+            if self.role != "http" and not self.hub._http_admit(self):
+                return
             self.http += data
             self.hub._http(self)
             return
         if not self.bytes_in.take(len(data), now):
             self.hub._flood(self)
             return
+        if self.unauth and not self.hub._hold(self, len(data)):
+            return
+        error: wire.WireError | None = None
         try:
             frames = self.dec.feed_raw(data)
         except wire.WireError as exc:
-            for raw, frame in exc.partial:
-                self.hub._frame(self, raw, frame)
-            self.hub._bad(self, exc)
-            return
+            frames, error = exc.partial, exc
+        if self.unauth:
+            self.hub._held(self)
         self.partial_since = (self.partial_since or now) if self.dec.pending else None
         if frames and not self.frames_in.take(len(frames), now):
             self.hub._flood(self)
@@ -168,6 +308,8 @@ class _Conn(asyncio.Protocol):
             self.hub._frame(self, raw, frame)
             if self.closing:
                 return
+        if error is not None:
+            self.hub._bad(self, error)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
@@ -185,20 +327,40 @@ class _Conn(asyncio.Protocol):
 
 
 class Hub:
-    """One job's hub. ``await hub.start()``, then ``hub.address`` and ``hub.token``."""
+    """One job's hub. ``await hub.start()``, then ``hub.address`` and ``hub.token`` (the
+    master token; :meth:`role_token` gives the ingest, view and control tokens)."""
 
     def __init__(self, config: HubConfig | None = None, monitor: Monitor | None = None
                  ) -> None:
         self.cfg = config or HubConfig()
-        if not is_loopback(self.cfg.host) and self.cfg.token == "":
-            raise ValueError("refusing to listen beyond loopback without a token")
-        self.token = self.cfg.token if self.cfg.token else secrets.token_urlsafe(24)
-        self._token = self.token.encode()
+        given = self.cfg.token
+        if given is not None and auth.token_role(given) is not None:
+            raise ValueError(f"a hub needs the master token, not a role token "
+                             f"(rtop-{auth.token_role(given)}-...)")
+        if not is_loopback(self.cfg.host):
+            if given == "":
+                raise ValueError("refusing to listen beyond loopback without a token")
+            if given is not None and len(given) < MIN_TOKEN_CHARS:
+                raise ValueError(f"refusing to listen beyond loopback with a token shorter "
+                                 f"than {MIN_TOKEN_CHARS} characters ({len(given)}): give "
+                                 f"a longer one, or none and the hub makes one")
+        self.token = given if given else secrets.token_urlsafe(24)
+        #: the handshake key of each hello role (the hub holds the master: every role's)
+        self._keys: dict[str, bytes] = {}
+        for hello_role, key_role in auth.HELLO_ROLES.items():
+            key = auth.key_for(self.token, key_role)
+            assert key is not None
+            self._keys[hello_role] = key
+        self._view_token = auth.role_token(self.token, "view").encode()
+        self._acting_tokens = [self.token.encode(),
+                               auth.role_token(self.token, "control").encode(),
+                               auth.role_token(self.token, "ingest").encode()]
         #: the run's state and diagnosis (without one given: the state alone, no findings)
         self.monitor = monitor if monitor is not None else Monitor(
             RunState(window_steps=self.cfg.window_steps,
                      window_samples=self.cfg.window_samples,
-                     lost_after_s=self.cfg.lost_after_s), diagnose=False)
+                     lost_after_s=self.cfg.lost_after_s,
+                     max_ranks=self.cfg.max_ranks), diagnose=False)
         self.recorder: Recorder | None = None
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
@@ -207,9 +369,23 @@ class Hub:
         self._closed = asyncio.Event()
         self._closing: asyncio.Task[None] | None = None
         self._idle_since: float | None = None
+        self._unauth_total = 0
+        self._unauth_by_addr: dict[str, int] = {}
+        self._unauth_pending = 0
+        self._http_total = 0
+        self._http_by_addr: dict[str, int] = {}
+        self._throttle = _Throttle(self.cfg.throttle_failures, self.cfg.throttle_window_s,
+                                   self.cfg.throttle_block_s)
+        self._peer_log = _PeerLog(self.cfg.log_every_s, self.cfg.log_summary_s)
         self.address = ""
         self.counters = {"connections": 0, "refused": 0, "bad_frames": 0, "floods": 0,
-                         "silent": 0, "snapshots_skipped": 0, "snapshots_sent": 0}
+                         "silent": 0, "snapshots_skipped": 0, "snapshots_sent": 0,
+                         "forbidden": 0, "unauthenticated_timeouts": 0, "busy": 0,
+                         "throttled": 0, "http_timeouts": 0}
+
+    def role_token(self, role: str) -> str:
+        """The token of a role (``ingest``, ``view``, ``control``) for this hub."""
+        return auth.role_token(self.token, role)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -229,11 +405,13 @@ class Hub:
                                 "job": self.cfg.job}
         if self.cfg.record != "":
             path = Path(self.cfg.record) if self.cfg.record else default_record_path(self.cfg.job)
-            self.recorder = Recorder(path, info)
+            # no token is ever written, whatever a peer sends
+            self.recorder = Recorder(path, info, secrets=[
+                self.token, *(self.role_token(r) for r in auth.ROLES)])
             info["record"] = str(path)
         self.state.run_info = info
         if self.cfg.discovery_file:
-            write_discovery_file(Path(self.cfg.discovery_file), {
+            write_hub_file(Path(self.cfg.discovery_file), {
                 "address": self.address, "token": self.token, "pid": os.getpid(),
                 "job": self.cfg.job, "record": info.get("record"), "started": time.time()})
         self._spawn(self._housekeeping())
@@ -274,6 +452,75 @@ class Hub:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    # ---- who may connect ---------------------------------------------------------------
+
+    def _throttles(self, addr: str) -> bool:
+        return self.cfg.throttle_loopback or not is_loopback(addr)
+
+    def _admit(self, conn: _Conn) -> None:
+        """A new connection: refused at once if its address is throttled or too many
+        unauthenticated connections are open; else counted as unauthenticated."""
+        cfg, addr, now = self.cfg, conn.addr, time.monotonic()
+        if self._throttles(addr) and self._throttle.blocked(addr, now):
+            self.counters["throttled"] += 1
+            conn.close()
+            return
+        if self._unauth_total >= cfg.max_unauth or \
+                self._unauth_by_addr.get(addr, 0) >= cfg.max_unauth_per_addr:
+            self.counters["busy"] += 1
+            self._peer_log(addr, "rtop hub: too many connections not yet authenticated "
+                           "(%d, %d from %r); refused one from %r", self._unauth_total,
+                           self._unauth_by_addr.get(addr, 0), addr, conn.who)
+            conn.close()
+            return
+        conn.unauth = True
+        self._unauth_total += 1
+        self._unauth_by_addr[addr] = self._unauth_by_addr.get(addr, 0) + 1
+
+    def _release(self, conn: _Conn) -> None:
+        """The connection authenticated, turned out to be HTTP, or closed."""
+        if conn.unauth:
+            conn.unauth = False
+            self._unauth_total -= 1
+            left = self._unauth_by_addr.get(conn.addr, 1) - 1
+            if left > 0:
+                self._unauth_by_addr[conn.addr] = left
+            else:
+                self._unauth_by_addr.pop(conn.addr, None)
+            self._unauth_pending -= conn.pending
+            conn.pending = 0
+        if conn.http_counted and conn.closing:
+            conn.http_counted = False
+            self._http_total -= 1
+            left = self._http_by_addr.get(conn.addr, 1) - 1
+            if left > 0:
+                self._http_by_addr[conn.addr] = left
+            else:
+                self._http_by_addr.pop(conn.addr, None)
+
+    def _hold(self, conn: _Conn, n: int) -> bool:
+        """May an unauthenticated connection buffer ``n`` more bytes?"""
+        if self._unauth_pending + n <= self.cfg.max_unauth_pending_bytes:
+            return True
+        self.counters["busy"] += 1
+        self._peer_log(conn.addr, "rtop hub: unauthenticated connections hold over %d "
+                       "bytes; closed %r", self.cfg.max_unauth_pending_bytes, conn.who)
+        conn.close()
+        return False
+
+    def _held(self, conn: _Conn) -> None:
+        held = conn.dec.pending
+        self._unauth_pending += held - conn.pending
+        conn.pending = held
+
+    def _failed(self, conn: _Conn) -> None:
+        """A failed authentication (wrong proof, wrong HTTP token) from this address."""
+        self.counters["refused"] += 1
+        if self._throttles(conn.addr) and self._throttle.fail(conn.addr, time.monotonic()):
+            log.warning("rtop hub: %r failed to authenticate %d times within %.0f s; "
+                        "refusing it for %.0f s", conn.addr, self.cfg.throttle_failures,
+                        self.cfg.throttle_window_s, self.cfg.throttle_block_s)
+
     # ---- housekeeping -------------------------------------------------------------------
 
     async def _housekeeping(self) -> None:
@@ -293,24 +540,36 @@ class Hub:
         for conn in list(self._conns):
             if conn.closing:
                 continue
-            if conn.role is None and mono - conn.opened > cfg.hello_timeout_s \
-                    and conn.partial_since is None:
+            if conn.role is None and not conn.spoke and mono - conn.opened > \
+                    cfg.hello_timeout_s:
                 self.counters["silent"] += 1
-                log.warning("rtop hub: %s connected and never spoke within %.0f s; closed",
-                            conn.who, cfg.hello_timeout_s)
+                self._peer_log(conn.addr, "rtop hub: %r connected and never spoke within "
+                               "%.0f s; closed", conn.who, cfg.hello_timeout_s)
+                conn.close()
+            elif conn.role == "http" and mono - conn.opened > cfg.http_deadline_s:
+                self.counters["http_timeouts"] += 1
+                self._peer_log(conn.addr, "rtop hub: HTTP request from %r not complete "
+                               "within %.0f s; closed", conn.who, cfg.http_deadline_s)
                 conn.close()
             elif conn.partial_since is not None and mono - conn.partial_since > \
                     cfg.frame_timeout_s:
                 self._bad(conn, wire.WireError(
                     f"half a frame: {conn.dec.pending} bytes of a frame, the rest not sent "
                     f"within {cfg.frame_timeout_s:.0f} s"))
+            elif conn.role is None and mono - conn.opened > cfg.auth_timeout_s:
+                self.counters["unauthenticated_timeouts"] += 1
+                self._peer_log(conn.addr, "rtop hub: %r did not authenticate within %.0f s; "
+                               "closed", conn.who, cfg.auth_timeout_s)
+                conn.close()
             elif conn.role == "rank" and mono - conn.last > cfg.idle_timeout_s:
-                log.warning("rtop hub: rank %s (%s) sent nothing for %.0f s; closed",
+                log.warning("rtop hub: rank %s (%r) sent nothing for %.0f s; closed",
                             conn.rank.rank if conn.rank else "?", conn.who,
                             cfg.idle_timeout_s)
                 conn.close()
             elif conn.role == "rank" and mono >= conn.next_ping:
                 self._ping(conn, now)
+        self._peer_log.tick(mono)
+        self._throttle.prune(mono)
         evaluation = self.monitor.advance(now)
         if evaluation is not None:
             self._report(evaluation)
@@ -342,7 +601,7 @@ class Hub:
                 self.recorder.frame("finding", {"event": "clear", "kind": kind}, ev.t)
 
     def _check_linger(self, mono: float, linger: float) -> None:
-        viewers = any(c.role == "viewer" for c in self._conns)
+        viewers = any(c.role in ("viewer", "control") for c in self._conns)
         busy = viewers or any(rs.status == "active" for rs in self.state.active_ranks())
         if busy or self.state.current is None:
             self._idle_since = None
@@ -355,30 +614,92 @@ class Hub:
     # ---- frames ----------------------------------------------------------------------
 
     def _frame(self, conn: _Conn, raw: bytes, frame: wire.Frame) -> None:
-        if conn.role is None:
-            self._hello(conn, raw, frame)
-        elif conn.role == "rank":
-            self._rank_frame(conn, raw, frame)
-        elif conn.role == "viewer":
-            self._viewer_frame(conn, frame)
+        role = conn.role
+        if role is None:
+            if conn.claimed is None:
+                self._hello(conn, frame)
+            else:
+                self._auth(conn, frame)
+        elif role == "rank":
+            if frame.kind in wire.RANK_KINDS:
+                self._rank_frame(conn, raw, frame)
+            else:
+                self._forbidden(conn, frame.kind)
+        elif role in ("viewer", "control"):
+            allowed = wire.VIEWER_KINDS if role == "viewer" else wire.CONTROL_KINDS
+            if frame.kind in allowed:
+                self._viewer_frame(conn, frame)
+            else:
+                self._forbidden(conn, frame.kind)
 
-    def _hello(self, conn: _Conn, raw: bytes, frame: wire.Frame) -> None:
+    def _refuse(self, conn: _Conn, code: str, message: str) -> None:
+        conn.send(wire.KIND_ERROR, {"code": code, "message": message})
+        conn.close()
+
+    def _hello(self, conn: _Conn, frame: wire.Frame) -> None:
+        """First frame: a hello with a role and a nonce; answered with a challenge."""
         if frame.kind != wire.KIND_HELLO:
-            self._bad(conn, wire.WireError(f"expected a hello, got {frame.kind!r}"))
+            self._bad(conn, wire.WireError(f"expected a hello, got {clip(frame.kind)!r}"))
             return
-        token = frame.payload.get("token")
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token):
+        p = frame.payload
+        role = p.get("role", "rank")
+        nonce = p.get("nonce")
+        if not isinstance(role, str) or role not in self._keys:
             self.counters["refused"] += 1
-            log.warning("rtop hub: %s presented a wrong token; refused", conn.who)
-            conn.send(wire.KIND_ERROR, {"code": "token", "message": "wrong token"})
-            conn.close()
+            self._peer_log(conn.addr, "rtop hub: %r said hello with an unknown role %r; "
+                           "refused", conn.who, clip(role))
+            self._refuse(conn, "role", f"unknown role {clip(role, 40)!r} (rank, viewer "
+                                       "or control)")
             return
-        if frame.payload.get("role") == "viewer":
-            conn.role = "viewer"
+        if not isinstance(nonce, bytes) or not auth.valid_nonce(nonce):
+            self.counters["refused"] += 1
+            why = "sent its token in the clear" if "token" in p else "sent no valid nonce"
+            self._peer_log(conn.addr, "rtop hub: %r (a %s) %s: an older rtop? refused",
+                           conn.who, role, why)
+            self._refuse(conn, "protocol", "this hub authenticates by challenge-response "
+                                           "and needs a nonce in the hello (never the "
+                                           "token): upgrade rtop on this side")
+            return
+        key = self._keys[role]
+        hub_nonce = auth.new_nonce()
+        conn.claimed = role
+        conn.expect = auth.client_proof(key, role, hub_nonce, nonce)
+        if role == "rank":
+            conn.hello = p
+        conn.send(wire.KIND_CHALLENGE, {"nonce": hub_nonce,
+                                        "proof": auth.hub_proof(key, role, nonce, hub_nonce)})
+
+    def _auth(self, conn: _Conn, frame: wire.Frame) -> None:
+        """Second frame: the peer's proof. Right: welcome (a rank's hello applied now)."""
+        if frame.kind != wire.KIND_AUTH:
+            self._bad(conn, wire.WireError(
+                f"expected auth after the challenge, got {clip(frame.kind)!r}"))
+            return
+        role = conn.claimed
+        assert role is not None
+        if not auth.check(conn.expect, frame.payload.get("proof")):
+            self._failed(conn)
+            self._peer_log(conn.addr, "rtop hub: %r (a %s) presented a wrong token; "
+                           "refused", conn.who, role)
+            self._refuse(conn, "token", "wrong token")
+            return
+        self._release(conn)
+        conn.dec.max_bytes = self.cfg.max_frame_bytes
+        conn.role, conn.expect = role, b""
+        if role == "rank":
+            hello, conn.hello = conn.hello or {}, None
+            self._rank_frame(conn, b"", wire.Frame(wire.KIND_HELLO, hello))
+        else:
             conn.send(wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__})
-            return
-        conn.role = "rank"
-        self._rank_frame(conn, raw, frame)
+
+    def _forbidden(self, conn: _Conn, kind: str) -> None:
+        self.counters["forbidden"] += 1
+        self.state.bad_frames += 1
+        who = f"rank {conn.rank.rank} ({conn.who})" if conn.rank else conn.who
+        self._peer_log(conn.addr, "rtop hub: %r, a %s, sent a %r frame, which it may not "
+                       "send; refused, connection closed", who, conn.role, clip(kind))
+        self._refuse(conn, "forbidden", f"a {conn.role} may not send {clip(kind, 40)!r} "
+                                        "frames")
 
     def _rank_frame(self, conn: _Conn, raw: bytes, frame: wire.Frame) -> None:
         now = time.time()
@@ -386,8 +707,12 @@ class Hub:
             if conn.rank is not None:
                 self._pong(conn, conn.rank, frame.payload, now)
             return
-        try:
-            rs = self.monitor.apply(frame, now)
+        if frame.kind == wire.KIND_HELLO:  # recorded without anything of the handshake
+            clean = {k: v for k, v in frame.payload.items() if k not in SECRET_KEYS}
+            frame = wire.Frame(wire.KIND_HELLO, clean)
+            raw = wire.encode(wire.KIND_HELLO, clean)
+        try:  # one connection is one rank: the state refuses frames for another
+            rs = self.monitor.apply(frame, now, peer=conn.rank)
         except ProtocolError as exc:
             self._bad(conn, exc)
             return
@@ -398,28 +723,30 @@ class Hub:
             conn.rank = rs
             if first:
                 conn.send(wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__})
-                log.info("rtop hub: rank %d of %d (%s, attempt %d) connected from %s",
-                         rs.rank, rs.identity.world_size, rs.node, rs.attempt, conn.who)
+                log.info("rtop hub: rank %d of %d (%r, attempt %d) connected from %r",
+                         rs.rank, rs.identity.world_size, clip(rs.node), rs.attempt,
+                         conn.who)
         elif frame.kind == wire.KIND_BYE:
             conn.clean = True
 
     def _bad(self, conn: _Conn, exc: Exception) -> None:
         self.counters["bad_frames"] += 1
         self.state.bad_frames += 1
-        log.warning("rtop hub: bad frame from %s: %s; connection closed", conn.who, exc)
-        conn.send(wire.KIND_ERROR, {"code": "bad_frame", "message": str(exc)[:200]})
-        conn.close()
+        self._peer_log(conn.addr, "rtop hub: bad frame from %r: %r; connection closed",
+                       conn.who, clip(exc))
+        self._refuse(conn, "bad_frame", clip(exc, 200))
 
     def _flood(self, conn: _Conn) -> None:
         self.counters["floods"] += 1
         who = f"rank {conn.rank.rank} ({conn.who})" if conn.rank else conn.who
-        log.warning("rtop hub: %s floods the hub (over %.0f MB/s or %.0f frames/s); "
-                    "connection closed", who, self.cfg.flood_bytes_per_s / 1e6,
-                    self.cfg.flood_frames_per_s)
+        self._peer_log(conn.addr, "rtop hub: %r floods the hub (over %.0f MB/s or %.0f "
+                       "frames/s); connection closed", who, self.cfg.flood_bytes_per_s / 1e6,
+                       self.cfg.flood_frames_per_s)
         conn.close()
 
     def _lost(self, conn: _Conn) -> None:
         self._conns.discard(conn)
+        self._release(conn)
         rs = conn.rank
         if conn.role != "rank" or rs is None or conn.clean or self._closed.is_set():
             return
@@ -430,8 +757,8 @@ class Hub:
         if self.recorder is not None:
             self.recorder.frame("conn", {"event": "close", "rank": rs.rank,
                                          "group": rs.identity.group, "clean": False}, now)
-        log.warning("rtop hub: rank %d (%s) disconnected without saying goodbye",
-                    rs.rank, rs.node)
+        log.warning("rtop hub: rank %d (%r) disconnected without saying goodbye",
+                    rs.rank, clip(rs.node))
 
     # ---- clocks ----------------------------------------------------------------------
 
@@ -487,6 +814,9 @@ class Hub:
                 self._offer(conn, wire.encode("rank", self.rank_detail(p["rank"])))
             else:
                 self._offer(conn, self._snapshot_frame())
+        elif frame.kind == wire.KIND_CONTROL:  # a control peer's only (see _frame)
+            conn.send(wire.KIND_ERROR, {"code": "unsupported",
+                                        "message": "this hub has no control actions yet"})
 
     def rank_detail(self, rank: int) -> RankDetail:
         """One rank's full window: step and sample histories, stack, events, meta."""
@@ -506,7 +836,8 @@ class Hub:
         while True:
             await asyncio.sleep(1.0 / MAX_VIEWER_HZ)
             mono = time.monotonic()
-            for conn in [c for c in self._conns if c.role == "viewer" and c.rate > 0]:
+            for conn in [c for c in self._conns
+                         if c.role in ("viewer", "control") and c.rate > 0]:
                 if mono >= conn.next_push:
                     try:
                         self._offer(conn, self._snapshot_frame())
@@ -516,31 +847,64 @@ class Hub:
 
     # ---- Prometheus ----------------------------------------------------------------------
 
+    def _http_admit(self, conn: _Conn) -> bool:
+        """The connection speaks HTTP: within the HTTP limits, it is one of those now."""
+        cfg = self.cfg
+        self._release(conn)
+        if self._http_total >= cfg.max_http or \
+                self._http_by_addr.get(conn.addr, 0) >= cfg.max_http_per_addr:
+            self.counters["busy"] += 1
+            self._peer_log(conn.addr, "rtop hub: too many HTTP connections (%d, %d from "
+                           "%r); refused one", self._http_total,
+                           self._http_by_addr.get(conn.addr, 0), conn.addr)
+            conn.close()
+            return False
+        conn.role, conn.http_counted = "http", True
+        self._http_total += 1
+        self._http_by_addr[conn.addr] = self._http_by_addr.get(conn.addr, 0) + 1
+        return True
+
     def _http(self, conn: _Conn) -> None:
         buf = bytes(conn.http)
         if b"\r\n\r\n" not in buf:
             if len(buf) > HTTP_MAX_BYTES:
-                log.warning("rtop hub: oversized HTTP request from %s; closed", conn.who)
+                self._peer_log(conn.addr, "rtop hub: oversized HTTP request from %r; closed",
+                               conn.who)
                 conn.close()
             return
-        lines = buf.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+        head = buf.split(b"\r\n\r\n", 1)[0]
+        if len(head) > HTTP_MAX_BYTES:
+            self._peer_log(conn.addr, "rtop hub: oversized HTTP request from %r; closed",
+                           conn.who)
+            conn.close()
+            return
+        lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split()
-        path = parts[1] if len(parts) > 1 else "/"
-        auth = ""
+        path = (parts[1] if len(parts) > 1 else "/").split("?", 1)[0]
+        auth_header = ""
         for line in lines[1:]:
             if line.lower().startswith("authorization:"):
-                auth = line.split(":", 1)[1].strip()
-        presented = auth[7:] if auth.lower().startswith("bearer ") else ""
-        if "?token=" in path:
-            path, presented = path.split("?token=", 1)
+                auth_header = line.split(":", 1)[1].strip()
+        presented = (auth_header[7:] if auth_header.lower().startswith("bearer ")
+                     else "").encode()
         t = conn.transport
         assert t is not None
-        if not hmac.compare_digest(presented.encode(), self._token):
-            self.counters["refused"] += 1
-            log.warning("rtop hub: HTTP request from %s without the right token; refused",
-                        conn.who)
-            t.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n"
-                    b"Connection: close\r\n\r\n")
+        if not hmac.compare_digest(presented, self._view_token):
+            acting = any(hmac.compare_digest(presented, tok) for tok in self._acting_tokens)
+            if acting:  # a token that can act must never sit in a scraper's config
+                self._peer_log(conn.addr, "rtop hub: HTTP request from %r with a token that "
+                               "can act, not the view token; refused", conn.who)
+                body = (b"/metrics takes the hub's view token (rtop-view-...), never a "
+                        b"token that can act on the job\n")
+                t.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\n"
+                        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                        + body)
+            else:
+                self._failed(conn)
+                self._peer_log(conn.addr, "rtop hub: HTTP request from %r without the view "
+                               "token; refused", conn.who)
+                t.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n"
+                        b"Connection: close\r\n\r\n")
         elif path != "/metrics":
             t.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
         else:
@@ -571,11 +935,19 @@ def _outward_ip() -> str:
         return "127.0.0.1"
 
 
-def write_discovery_file(path: Path, info: dict[str, Any]) -> None:
-    """Write a hub's address and token for ``rtop`` to find: 0600, atomically."""
+def write_hub_file(path: Path, info: dict[str, Any]) -> None:
+    """Write a hub's address and token for ranks and ``rtop`` to find, atomically:
+    a fresh 0600 file of an unpredictable name (``mkstemp``, created with ``O_EXCL``,
+    so no planted link is followed) in the same directory, then renamed over
+    ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            json.dump(info, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -1,5 +1,11 @@
 """Running a hub: in the foreground (``rtop serve``) or on a thread of its own (the Ray
-actor, tests)."""
+actor, tests).
+
+Both write the hub's discovery file themselves (:func:`write_hub_file`:
+``mkstemp`` then rename, 0600) once the hub listens, remove it when the hub ends, and
+tell the recorder the hub's tokens (master and roles), so that none reaches the
+recording.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,15 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from collectors.discovery import read_hub_file
 from rtop.analysis import AnalysisConfig, Monitor
-from rtop.hub.server import Hub, HubConfig
+from rtop.hub.server import Hub, HubConfig, write_hub_file
 from rtop.run.state import RunState
 
 log = logging.getLogger("rtop.hub")
@@ -28,25 +37,61 @@ def hub_monitor(cfg: HubConfig, thresholds: AnalysisConfig | str | Path | None =
     config = thresholds if isinstance(thresholds, AnalysisConfig) else \
         AnalysisConfig.load(thresholds)
     state = RunState(window_steps=cfg.window_steps, window_samples=cfg.window_samples,
-                     lost_after_s=cfg.lost_after_s)
+                     lost_after_s=cfg.lost_after_s, max_ranks=cfg.max_ranks)
     return Monitor(state, config)
+
+
+def remove_hub_file(path: Path, pid: int | None = None) -> None:
+    """Remove a hub's file, if it is still this hub's (``pid``): a newer hub of the
+    same job may have replaced it."""
+    if pid is not None:
+        info = read_hub_file(path)
+        if info is not None and info.get("pid") != pid:
+            return
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _own_discovery(cfg: HubConfig) -> tuple[HubConfig, Path | None]:
+    """The config without its discovery file, and that file: this module writes it."""
+    if not cfg.discovery_file:
+        return cfg, None
+    return replace(cfg, discovery_file=None), Path(cfg.discovery_file)
+
+
+def _started(hub: Hub, discovery: Path | None) -> None:
+    """Once the hub listens (its recording already keeps every token out): write its
+    file."""
+    if discovery is not None:
+        write_hub_file(discovery, {
+            "address": hub.address, "token": hub.token, "pid": os.getpid(),
+            "job": hub.cfg.job, "record": str(hub.recorder.path) if hub.recorder else None,
+            "started": time.time()})
+
+
+def _ended(discovery: Path | None) -> None:
+    if discovery is not None:
+        remove_hub_file(discovery, os.getpid())
 
 
 async def serve(cfg: HubConfig, ready: Callable[[Hub], None] | None = None,
                 thresholds: str | None = None) -> None:
     """Run a hub until it is closed, a signal arrives, or it has lingered long enough."""
+    cfg, discovery = _own_discovery(cfg)
     hub = Hub(cfg, hub_monitor(cfg, thresholds))
     await hub.start()
-    if ready is not None:
-        ready(hub)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, lambda: loop.create_task(hub.close()))
     try:
+        _started(hub, discovery)
+        if ready is not None:
+            ready(hub)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, lambda: loop.create_task(hub.close()))
         await hub.serve_forever()
     finally:
         await hub.close()
+        _ended(discovery)
 
 
 def lower_priority(nice: int, thread: bool = False) -> bool:
@@ -78,9 +123,9 @@ class ThreadedHub:
                  port: int = 0, token: str | None = None, linger_s: float | None = None,
                  on_exit: Callable[[], None] | None = None, thresholds: Any = None,
                  nice: int = 0, **settings: Any) -> None:
-        self.cfg = HubConfig(host=host, port=port, token=token, job=job,
-                             record=record if record is not None else None,
-                             linger_s=linger_s, **settings)
+        self.cfg, self._discovery = _own_discovery(HubConfig(
+            host=host, port=port, token=token, job=job, record=record, linger_s=linger_s,
+            **settings))
         self.job = job
         self.thresholds = thresholds  # an AnalysisConfig, a JSON file path, or None
         self.nice = nice  # the hub thread's niceness: >0 yields the CPU to the job
@@ -126,10 +171,17 @@ class ThreadedHub:
             self.hub = Hub(self.cfg, hub_monitor(self.cfg, self.thresholds))
             try:
                 await self.hub.start()
+                _started(self.hub, self._discovery)
+            except BaseException:
+                await self.hub.close()
+                raise
             finally:
                 self._ready.set()
-            await self.hub.serve_forever()
-            await self.hub.close()
+            try:
+                await self.hub.serve_forever()
+            finally:
+                await self.hub.close()
+                _ended(self._discovery)
 
         try:
             loop.run_until_complete(main())

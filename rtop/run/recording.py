@@ -1,16 +1,88 @@
-"""Reading a recording: every whole frame, up to a truncated tail, into a RunState."""
+"""Reading a recording: every whole frame, up to a truncated tail, into a RunState.
+
+Also what counts as a secret in a frame (:func:`is_secret_key`, :func:`scrub`), which
+the recorder never writes. Reading yields frames as recorded: a recording made by an
+earlier rtop holds each rank's token in its hello, and is as secret as the token.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeGuard
 
 from collectors import wire
 from rtop.run.state import ProtocolError, RunState
 
 log = logging.getLogger("rtop")
+
+
+#: Words that make a field's name a secret's, matched against the name's parts
+#: (``token``, ``hub_token``, ``authToken``, ``client-proof``; not ``tokens_per_s``).
+SECRET_WORDS = frozenset({"token", "proof", "nonce", "secret", "password", "passwd",
+                          "credential", "credentials", "hmac"})
+#: Cheap test on raw frame bytes, lower-cased: a frame without any of these holds no
+#: secret-named field, and is written as received without being decoded again.
+_MAYBE_SECRET = re.compile(rb"token|proof|nonce|secret|passw|credential|hmac")
+_CAMEL = re.compile(r"([a-z0-9])([A-Z])")
+_PARTS = re.compile(r"[^a-z0-9]+")
+REDACTED = "[redacted]"
+
+
+def is_secret_key(key: object) -> bool:
+    """Whether a field of this name holds a secret (see :data:`SECRET_WORDS`)."""
+    if isinstance(key, bytes):
+        key = key.decode("utf-8", "replace")
+    if not isinstance(key, str):
+        return False
+    parts = _PARTS.split(_CAMEL.sub(r"\1_\2", key).lower())
+    return any(part in SECRET_WORDS for part in parts)
+
+
+def may_hold_secret(data: bytes) -> bool:
+    """A quick, conservative look at a frame's bytes: False means it surely holds no
+    secret-named field."""
+    return _MAYBE_SECRET.search(data.lower()) is not None
+
+
+def scrub(obj: Any, values: Iterable[bytes] = (), removed: list[str] | None = None
+          ) -> Any:
+    """``obj`` (a frame payload) without secret-named fields at any depth, and with
+    strings that contain one of the secret ``values`` replaced by ``[redacted]``;
+    the names of what was taken out are appended to ``removed``. Unchanged parts are
+    the same objects."""
+    secrets = tuple(v.decode("utf-8", "replace") for v in values if v)
+    out = removed if removed is not None else []
+    return _scrub(obj, secrets, out)
+
+
+def _scrub(obj: Any, secrets: tuple[str, ...], removed: list[str]) -> Any:
+    if isinstance(obj, dict):
+        clean: dict[Any, Any] = {}
+        changed = False
+        for k, v in obj.items():
+            if is_secret_key(k) or (isinstance(k, str) and any(x in k for x in secrets)):
+                removed.append(str(k)[:40])
+                changed = True
+                continue
+            new = _scrub(v, secrets, removed)
+            changed = changed or new is not v
+            clean[k] = new
+        return clean if changed else obj
+    if isinstance(obj, list):
+        items = [_scrub(v, secrets, removed) for v in obj]
+        return items if any(a is not b for a, b in zip(items, obj, strict=True)) else obj
+    if isinstance(obj, str) and secrets and any(x in obj for x in secrets):
+        removed.append("(a value)")
+        return REDACTED
+    if isinstance(obj, bytes) and secrets and any(x.encode() in obj for x in secrets):
+        removed.append("(a value)")
+        return REDACTED
+    return obj
 
 
 @dataclass
@@ -59,15 +131,20 @@ def read(path: str | Path, result: ReadResult | None = None
             if first:
                 hub = frame.payload.get("hub")
                 started = hub.get("started") if isinstance(hub, dict) else None
-                if isinstance(started, (int, float)):
+                if _finite_time(started):
                     t_hub = float(started)
             first = False
             res.frames += 1
-            if frame.kind == "clock":
+            if frame.kind == wire.KIND_CLOCK:
                 t = frame.payload.get("t_hub")
-                if isinstance(t, (int, float)):
+                if _finite_time(t):  # a forged inf or NaN keeps the last good time
                     t_hub = float(t)
             yield t_hub, frame
+
+
+def _finite_time(t: object) -> TypeGuard[float]:
+    """True for a number a recording's clock may take (not a bool, inf or NaN)."""
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
 
 
 def replay(path: str | Path, state: RunState | None = None,

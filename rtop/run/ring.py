@@ -1,67 +1,96 @@
-"""Per-rank rolling windows in one preallocated array, reducible for all ranks at once.
+"""Per-rank rolling windows in a few large arrays, reducible for all ranks at once.
 
-A :class:`Rings` holds, for a fixed tuple of fields, a float32 array of shape
+A :class:`Rings` holds, for a fixed tuple of fields, float32 blocks of shape
 ``(rank slots, window, fields)``. Each rank owns a slot and writes rows at its own
 position, wrapping around; appending one row is a single array store. Reading the last
-``k`` rows of every rank is one fancy index, and their medians one sort. Missing values
-are NaN. ``t_wall`` is stored relative to a base time (float32 keeps milliseconds over
-a day of training); ``history`` gives it back absolute.
+``k`` rows of every rank is one fancy index per block, and their medians one sort.
+Missing values are NaN. ``t_wall`` is stored relative to a base time per slot, the
+slot's first (float32 keeps milliseconds over a day of training; one rank's clock,
+however wrong, cannot cost the others theirs); ``history`` gives it back absolute.
+
+Slots are allocated as ranks arrive (:meth:`Rings.ensure`), a block at a time: 64
+slots, 64 more, then blocks doubling up to :data:`MAX_BLOCK` slots. A new block is
+added, never copied into a larger array, so growing costs the new memory only and the
+hub never stalls on a copy of the windows it already holds.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Final
 
 import numpy as np
+
+#: The first block's slots, and the largest block's.
+FIRST_BLOCK: Final = 64
+MAX_BLOCK: Final = 1024
 
 
 class Rings:
     """Bounded per-slot histories of ``fields`` (see module doc)."""
 
-    def __init__(self, fields: Sequence[str], window: int, slots: int = 64) -> None:
+    def __init__(self, fields: Sequence[str], window: int, slots: int = FIRST_BLOCK
+                 ) -> None:
         self.fields = tuple(fields)
         self.index = {f: i for i, f in enumerate(self.fields)}
         self.window = window
-        self.data = np.full((slots, window, len(self.fields)), np.nan, dtype=np.float32)
-        self.pos = np.zeros(slots, dtype=np.int64)  # next write position per slot
-        self.count = np.zeros(slots, dtype=np.int64)  # rows written, at most ``window``
+        self.blocks: list[np.ndarray] = []
+        self.starts: list[int] = []  # the first slot of each block
+        self.pos = np.zeros(0, dtype=np.int64)  # next write position per slot
+        self.count = np.zeros(0, dtype=np.int64)  # rows written, at most ``window``
+        self.base = np.zeros(0)  # per slot: its first t_wall, NaN before
         self._t = self.index.get("t_wall")
-        self.base: float | None = None
+        self.ensure(slots, slots)
 
     @property
     def slots(self) -> int:
         """Number of rank slots allocated."""
         return int(self.pos.shape[0])
 
-    def ensure(self, slots: int) -> None:
-        """Grow to at least ``slots`` slots (by a quarter at a time), keeping the data."""
-        have = self.slots
-        if slots <= have:
-            return
-        new = max(slots, have + max(64, have // 4))
-        grown = np.full((new, self.window, len(self.fields)), np.nan, dtype=np.float32)
-        grown[:have] = self.data
-        self.data = grown
-        self.pos = np.concatenate([self.pos, np.zeros(new - have, dtype=np.int64)])
-        self.count = np.concatenate([self.count, np.zeros(new - have, dtype=np.int64)])
+    def ensure(self, slots: int, most: int | None = None) -> None:
+        """Grow to at least ``slots`` slots, a block at a time (see the module doc; no
+        block past ``most`` slots in all when that is enough), keeping the data."""
+        while self.slots < slots:
+            have = self.slots
+            size = FIRST_BLOCK if have < 2 * FIRST_BLOCK else min(have, MAX_BLOCK)
+            if most is not None:
+                size = min(size, most - have)
+            size = max(size, 1)
+            self.blocks.append(np.full((size, self.window, len(self.fields)), np.nan,
+                                       dtype=np.float32))
+            self.starts.append(have)
+            self.pos = np.concatenate([self.pos, np.zeros(size, dtype=np.int64)])
+            self.count = np.concatenate([self.count, np.zeros(size, dtype=np.int64)])
+            self.base = np.concatenate([self.base, np.full(size, np.nan)])
+
+    def _where(self, slot: int) -> tuple[np.ndarray, int]:
+        """The block a slot is in, and its index there."""
+        b = len(self.starts) - 1
+        while self.starts[b] > slot:
+            b -= 1
+        return self.blocks[b], slot - self.starts[b]
 
     def clear(self, slot: int) -> None:
         """Forget a slot's history (it is about to be reused)."""
-        self.data[slot] = np.nan
+        block, i = self._where(slot)
+        block[i] = np.nan
         self.pos[slot] = 0
         self.count[slot] = 0
+        self.base[slot] = np.nan
 
     def append(self, slot: int, row: list[float]) -> None:
         """Append one row (``len(fields)`` floats, NaN for missing)."""
         if self._t is not None:
             t = row[self._t]
             if not math.isnan(t):
-                if self.base is None:
-                    self.base = t
-                row[self._t] = t - self.base
+                base = float(self.base[slot])
+                if math.isnan(base):
+                    self.base[slot] = base = t
+                row[self._t] = t - base
         p = int(self.pos[slot])
-        self.data[slot, p] = row
+        block, i = self._where(slot)
+        block[i, p] = row
         self.pos[slot] = (p + 1) % self.window
         if self.count[slot] < self.window:
             self.count[slot] += 1
@@ -72,15 +101,36 @@ class Rings:
         k = max(1, min(k, self.window))
         offsets = np.arange(-k, 0)
         idx = (self.pos[slots][:, None] + offsets[None, :]) % self.window
-        if fields is None:
-            values: np.ndarray = self.data[slots[:, None], idx]
+        cols = None if fields is None else np.array([self.index[f] for f in fields])
+        if len(self.blocks) == 1 or not len(slots):
+            values = self._gather(self.blocks[0], slots, idx, cols)
         else:
-            cols = np.array([self.index[f] for f in fields])
-            values = self.data[slots[:, None, None], idx[:, :, None], cols[None, None, :]]
+            # one gather per block, over that block's slots (grouped by a stable sort)
+            which = np.searchsorted(np.array(self.starts), slots, side="right") - 1
+            order = np.argsort(which, kind="stable")
+            bounds = np.searchsorted(which[order], np.arange(len(self.blocks) + 1))
+            values = np.empty((len(slots), k, len(self.fields) if cols is None
+                               else len(cols)), dtype=np.float32)
+            for b in range(len(self.blocks)):
+                lo, hi = int(bounds[b]), int(bounds[b + 1])
+                if lo == hi:
+                    continue
+                sel = order[lo:hi]
+                values[sel] = self._gather(self.blocks[b], slots[sel] - self.starts[b],
+                                           idx[sel], cols)
         short = self.count[slots][:, None] < -offsets[None, :]
         if short.any():
             values[short] = np.nan
         return values
+
+    @staticmethod
+    def _gather(block: np.ndarray, local: np.ndarray, idx: np.ndarray,
+                cols: np.ndarray | None) -> np.ndarray:
+        if cols is None:
+            out: np.ndarray = block[local[:, None], idx]
+            return out
+        out = block[local[:, None, None], idx[:, :, None], cols[None, None, :]]
+        return out
 
     def history(self, field: str, slot: int) -> np.ndarray:
         """Every stored value of ``field`` for one slot, oldest first (float64)."""
@@ -88,13 +138,20 @@ class Rings:
         if not n:
             return np.empty(0)
         out = self.last(np.array([slot]), n)[0, :, self.index[field]].astype(np.float64)
-        if field == "t_wall" and self.base is not None:
-            out += self.base
+        if field == "t_wall" and not math.isnan(self.base[slot]):
+            out += self.base[slot]
+        return out
+
+    def bases(self, slots: np.ndarray) -> np.ndarray:
+        """The base time of each of ``slots`` (what their ``t_wall`` is relative to;
+        0 for a slot with none yet)."""
+        out: np.ndarray = np.nan_to_num(self.base[slots], nan=0.0)
         return out
 
     def nbytes(self) -> int:
         """Memory held by the arrays."""
-        return int(self.data.nbytes + self.pos.nbytes + self.count.nbytes)
+        return int(sum(b.nbytes for b in self.blocks) + self.pos.nbytes + self.count.nbytes
+                   + self.base.nbytes)
 
 
 def nanmedian_rows(values: np.ndarray) -> np.ndarray:

@@ -6,6 +6,29 @@ Windows are bounded (by steps and by samples, per rank); a rank that stops sendi
 marked lost; a Ray Train worker-group restart (a new ``group`` in the identity) starts a
 new attempt and the previous attempt's ranks are kept, ended, for its history (their
 windows are given up only when the new attempt needs the room).
+
+Nothing a peer sends is trusted: every frame is checked before anything of it is kept
+(:class:`ProtocolError` says what is wrong, and nothing of that frame is applied), and
+what is kept is bounded:
+
+* identity: integers in range (``0 <= rank < world_size <= 2**20``), strings of at most
+  255 characters (hostname, job, group, node id), no map where a string belongs;
+* rows: as many values as their table (``collectors.schema``) has fields, numbers where
+  numbers belong, at most ``MAX_ROWS`` per table per batch; a number that is not
+  finite (inf, nan) or beyond ±2**64 is "not measured" (None), like a missing one;
+* names and other strings (hostnames, job and node names, the phase, notes, errors):
+  control characters, Unicode format characters and line separators are replaced with
+  U+FFFD and lengths are capped (:func:`rtop.fmt.safe_text`), so a name cannot retitle a
+  terminal, move its cursor or hide text; stacks and error messages keep their newlines
+  and tabs. Markup characters (``[``, ``]``) stay: names are text and every view draws
+  them as text, never as markup;
+* ``meta`` and the collector's info: maps of at most 64 entries with string keys,
+  lists of at most 64 items (the newest kept), nesting at most 4 deep;
+* windows are allocated as ranks arrive (the arrays grow in steps of at least 64 rank
+  slots), never from a claimed world size, and at most ``max_ranks`` ranks hold one at
+  a time (all attempts together; ended attempts give theirs up first); a hello beyond
+  that is refused. The hub passes ``peer``, the rank a connection already speaks for:
+  one connection is one rank, and a frame for any other rank is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +37,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, cast
+from typing import Any, Final, TypedDict, cast
 
 import numpy as np
 
@@ -22,13 +45,15 @@ from collectors import wire
 from collectors.identity import Identity
 from collectors.schema import (
     ADDED_FIELDS,
+    EVENT_FIELDS,
     GPU_FIELDS,
     HEARTBEAT_FIELDS,
     HOST_FIELDS,
     MEM_FIELDS,
     STEP_FIELDS,
 )
-from rtop.run.ring import Rings, nanmedian_rows
+from rtop.fmt import safe_text
+from rtop.run.ring import FIRST_BLOCK, Rings, nanmedian_rows
 from rtop.run.snapshot import NodeColumns, RankColumns, RankDetail, RunInfo, Status
 
 #: Step fields kept per rank in the rolling window.
@@ -75,21 +100,207 @@ class ProtocolError(ValueError):
     """A frame is well-formed msgpack but not what the protocol says it should hold."""
 
 
+# ---- what a frame may hold (see the module doc) ----------------------------------------
+
+#: The most ranks a world may claim (a claim costs nothing: windows come as ranks do).
+MAX_WORLD: Final = 1 << 20
+#: The most ranks whose windows a run state holds at once, unless told otherwise
+#: (about 84 kB each with the default windows: 1.4 GB at the limit).
+MAX_RANKS: Final = 16384
+#: The most rows of one table in one batch (a collector sends at most a few thousand).
+MAX_ROWS: Final = 1 << 16
+#: Strings: names (hostname, job, group, node id), short words (a phase, a device), the
+#: notes and other strings of ``meta``, an error message, a Python stack.
+MAX_NAME: Final = 255
+MAX_WORD: Final = 64
+MAX_NOTE: Final = 1024
+MAX_ERROR: Final = 4096
+MAX_STACK: Final = 20000
+#: ``meta`` and the collector's info: entries of a map, items of a list, nesting.
+MAX_ENTRIES: Final = 64
+MAX_DEPTH: Final = 4
+#: Numbers beyond this magnitude are not measurements: "not measured", like inf and nan.
+_BIG: Final = float(1 << 64)
+
+_INT_FIELDS: Final = {  # identity integers: (lowest, highest)
+    "rank": (0, MAX_WORLD - 1), "local_rank": (0, MAX_WORLD - 1),
+    "world_size": (1, MAX_WORLD), "pid": (0, (1 << 32) - 1),
+    "attempt": (-(1 << 31), (1 << 31) - 1)}
+_STR_FIELDS: Final = {"hostname": MAX_NAME, "ip": MAX_WORD, "job": MAX_NAME,
+                      "group": MAX_NAME, "node_id": MAX_NAME, "source": MAX_WORD}
+_REQUIRED: Final = ("rank", "local_rank", "world_size", "hostname", "ip", "pid")
+
+# Per table, per field: None for a number, else (limit, multiline, keep_end) of a string.
+_StrSpec = tuple[int, bool, bool]
+_WORD: Final = (MAX_WORD, False, False)
+_TABLES: Final[dict[str, tuple[tuple[str, ...], tuple[_StrSpec | None, ...]]]] = {
+    name: (fields, tuple(strings.get(f) for f in fields))
+    for name, fields, strings in (
+        ("steps", STEP_FIELDS, {}),
+        ("gpu", GPU_FIELDS, {}),
+        ("host", HOST_FIELDS, {}),
+        ("mem", MEM_FIELDS, {"device": _WORD}),
+        ("hb", HEARTBEAT_FIELDS, {"phase": _WORD, "stack": (MAX_STACK, True, True)}),
+        ("events", EVENT_FIELDS, {"kind": _WORD}),
+    )}
+
+
+#: Per table, the indices of its string fields.
+_STRINGS: Final = {name: frozenset(j for j, k in enumerate(kinds) if k is not None)
+                   for name, (_, kinds) in _TABLES.items()}
+
+
+def _what(x: Any) -> str:
+    """A value named for an error message: its type, and a short repr."""
+    r = repr(x)
+    return f"{type(x).__name__} {r if len(r) <= 40 else r[:39] + '…'}"
+
+
+def _text(where: str, x: Any, limit: int, *, multiline: bool = False,
+          keep_end: bool = False) -> str:
+    if not isinstance(x, str):
+        raise ProtocolError(f"{where} must be a string, got {_what(x)}")
+    return safe_text(x, limit, multiline=multiline, keep_end=keep_end)
+
+
+def _opt_text(where: str, x: Any, limit: int, *, multiline: bool = False) -> str | None:
+    return None if x is None else _text(where, x, limit, multiline=multiline)
+
+
+def _number(where: str, x: Any) -> float | int | None:
+    """A number as measured: None for missing, non-finite or absurd; refused if not a
+    number at all."""
+    if x is None:
+        return None
+    if type(x) is int:
+        return x
+    if type(x) is float:
+        return x if -_BIG <= x <= _BIG else None  # NaN compares false: None too
+    raise ProtocolError(f"{where} must be a number, got {_what(x)}")
+
+
+def _count(where: str, x: Any) -> int | None:
+    """A non-negative integer counter (None when absent)."""
+    if x is None:
+        return None
+    if type(x) is not int or x < 0:
+        raise ProtocolError(f"{where} must be a non-negative integer, got {_what(x)}")
+    return x
+
+
+def clean_value(where: str, x: Any, depth: int = 0) -> Any:
+    """A free-form value (``meta``, the collector's info, a run header) made safe:
+    strings capped and stripped of control characters, numbers finite or None, maps of
+    string keys and lists bounded (see the module doc); anything else is refused."""
+    if x is None or type(x) in (bool, int):
+        return x
+    if type(x) is float:
+        return x if -_BIG <= x <= _BIG else None
+    if isinstance(x, str):
+        return safe_text(x, MAX_NOTE)
+    if depth >= MAX_DEPTH and isinstance(x, (list, dict)):
+        raise ProtocolError(f"{where} is nested more than {MAX_DEPTH} deep")
+    if isinstance(x, list):
+        return [clean_value(where, v, depth + 1) for v in x[-MAX_ENTRIES:]]
+    if isinstance(x, dict):
+        if len(x) > MAX_ENTRIES:
+            raise ProtocolError(f"{where} has {len(x)} entries (at most {MAX_ENTRIES})")
+        out = {}
+        for k, v in x.items():
+            if not isinstance(k, str):
+                raise ProtocolError(f"{where} has a key that is not a string: {_what(k)}")
+            out[safe_text(k, MAX_WORD)] = clean_value(f"{where}.{safe_text(k, MAX_WORD)}", v,
+                                                      depth + 1)
+        return out
+    raise ProtocolError(f"{where} holds {_what(x)}, which is not a number, string, list "
+                        "or map")
+
+
+def clean_identity(raw: Any) -> Identity:
+    """A hello's identity, checked field by field (see the module doc)."""
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"hello without an identity map (got {_what(raw)})")
+    for k in _REQUIRED:
+        if k not in raw:
+            raise ProtocolError(f"hello identity has no '{k}'")
+    out: dict[str, Any] = {}
+    for k, (lo, hi) in _INT_FIELDS.items():
+        if k in raw:
+            v = raw[k]
+            if type(v) is not int or not lo <= v <= hi:
+                raise ProtocolError(f"hello identity: '{k}' must be an integer from {lo} "
+                                    f"to {hi}, got {_what(v)}")
+            out[k] = v
+    for k, limit in _STR_FIELDS.items():
+        if k in raw:
+            out[k] = _text(f"hello identity: '{k}'", raw[k], limit)
+    if out["rank"] >= out["world_size"]:
+        raise ProtocolError(f"hello identity: rank {out['rank']} is outside its world of "
+                            f"{out['world_size']} ranks")
+    return Identity(**out)
+
+
+def clean_meta(meta: Any) -> dict[str, Any]:
+    """A batch's ``meta`` (the collector's notes, the device, ...), made safe; the
+    fields the views read must have their types."""
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"'meta' must be a map, got {_what(meta)}")
+    out: dict[str, Any] = clean_value("meta", meta)
+    notes = out.get("notes")
+    if notes is not None and not (isinstance(notes, list)
+                                  and all(isinstance(n, str) for n in notes)):
+        raise ProtocolError("meta.notes must be a list of strings")
+    for k in ("device_reason", "mem_device"):
+        if out.get(k) is not None and not isinstance(out[k], str):
+            raise ProtocolError(f"meta.{k} must be a string, got {_what(out[k])}")
+    if out.get("device") is not None and not isinstance(out["device"], dict):
+        raise ProtocolError(f"meta.device must be a map, got {_what(out['device'])}")
+    return out
+
+
 def _num(x: Any) -> float:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else _NAN
+    """A checked row's number (see :func:`_check_rows`) for an array: None is NaN."""
+    out: float = _NAN if x is None else x
+    return out
 
 
-def _check_rows(name: str, rows: Any, width: int) -> list[list[Any]]:
-    """Rows of a table, each ``width`` long; rows from an older collector, shorter by
-    the table's ``ADDED_FIELDS``, are padded with None (not measured)."""
+def _check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any]]:
+    """Rows of a table (``collectors.schema``), each as long as the table (``width``,
+    if given, must say so), numbers where numbers belong (a non-finite one becomes
+    None) and strings made safe, in place; rows from an older collector, shorter by the
+    table's ``ADDED_FIELDS``, are padded with None (not measured). Raises
+    :class:`ProtocolError` saying what is wrong."""
+    fields, kinds = _TABLES[name]
+    assert width is None or width == len(fields), (name, width)
+    width = len(fields)
     oldest = width - len(ADDED_FIELDS.get(name, ()))
-    if not isinstance(rows, list) or not all(
-            isinstance(r, list) and oldest <= len(r) <= width for r in rows):
-        raise ProtocolError(f"malformed '{name}' rows (expected lists of {width} values)")
-    if oldest < width:
-        for r in rows:
-            if len(r) < width:
-                r.extend([None] * (width - len(r)))
+    if not isinstance(rows, list):
+        raise ProtocolError(f"'{name}' must be a list of rows, got {_what(rows)}")
+    if len(rows) > MAX_ROWS:
+        raise ProtocolError(f"'{name}' has {len(rows)} rows in one batch (at most "
+                            f"{MAX_ROWS})")
+    strings = _STRINGS[name]
+    for i, r in enumerate(rows):
+        if type(r) is not list or not oldest <= len(r) <= width:
+            n = len(r) if type(r) is list else _what(r)
+            raise ProtocolError(f"malformed '{name}' rows: row {i} is not a list of "
+                                f"{width} values (got {n})")
+        if len(r) < width:
+            r.extend([None] * (width - len(r)))
+        for j, v in enumerate(r):
+            t = type(v)
+            if t is float:
+                if not -_BIG <= v <= _BIG:  # inf, nan, absurd: not measured
+                    r[j] = None
+            elif t is not int and v is not None and j not in strings:
+                raise ProtocolError(f"'{name}' row {i}: '{fields[j]}' must be a number, "
+                                    f"got {_what(v)}")
+        for j in strings:
+            v = r[j]
+            if v is not None:
+                limit, multiline, keep_end = cast(_StrSpec, kinds[j])
+                r[j] = _text(f"'{name}' row {i}: '{fields[j]}'", v, limit,
+                             multiline=multiline, keep_end=keep_end)
     return rows
 
 
@@ -167,14 +378,17 @@ class RunState:
 
     ``window_steps`` step records and ``window_samples`` GPU/host/memory samples are
     kept per rank; ``lost_after_s`` of silence marks a rank lost; ``keep_attempts``
-    attempts are kept (the oldest is forgotten beyond that).
+    attempts are kept (the oldest is forgotten beyond that); at most ``max_ranks``
+    ranks have windows at a time (a hello beyond that is refused).
     """
 
     def __init__(self, *, window_steps: int = 1200, window_samples: int = 600,
                  lost_after_s: float = 10.0, keep_attempts: int = 3,
-                 recent_steps: int = 20) -> None:
-        self.steps = Rings(STEP_HISTORY, window_steps)
-        self.samples = Rings(SAMPLE_HISTORY, window_samples)
+                 recent_steps: int = 20, max_ranks: int = MAX_RANKS) -> None:
+        self.max_ranks = max_ranks
+        first = min(FIRST_BLOCK, max_ranks)  # the first block of rank slots
+        self.steps = Rings(STEP_HISTORY, window_steps, first)
+        self.samples = Rings(SAMPLE_HISTORY, window_samples, first)
         self.latest = np.full((self.steps.slots, len(LATEST)), np.nan)
         self._latest_idx = {f: i for i, f in enumerate(LATEST)}
         self.lost_after_s = lost_after_s
@@ -198,34 +412,51 @@ class RunState:
         """The latest attempt."""
         return self.attempts[-1] if self.attempts else None
 
-    def _grow(self, slots: int) -> None:
-        self.steps.ensure(slots)
-        self.samples.ensure(slots)
+    def _grow(self, slots: int, most: int | None = None) -> None:
+        self.steps.ensure(slots, most)
+        self.samples.ensure(slots, most)
         have = self.latest.shape[0]
         if self.steps.slots > have:
             grown = np.full((self.steps.slots, len(LATEST)), np.nan)
             grown[:have] = self.latest
             self.latest = grown
 
-    def _slot(self) -> int:
+    def _slot(self, att: Attempt) -> int:
+        """A free rank slot for a new rank of ``att``: a freed one, else a new one (the
+        arrays grow in steps as ranks arrive, never past what the ranks of ``att`` yet
+        to come could need), else the windows of ended attempts' ranks given up; at
+        ``max_ranks`` slots with none to give up, the rank is refused."""
         if not self._free_slots:
-            self._reclaim()
+            self._reclaim(force=self._next_slot >= self.max_ranks)
         if self._free_slots:
             slot = self._free_slots.pop()
-        else:
+        elif self._next_slot < self.max_ranks:
             slot = self._next_slot
             self._next_slot += 1
-            self._grow(slot + 1)
+            to_come = max(1, att.world_size - len(att.ranks))
+            self._grow(slot + 1, min(self.max_ranks, slot + to_come))
+        else:
+            raise ProtocolError(
+                f"rank budget exhausted: the hub holds the windows of {self.max_ranks} "
+                "ranks, its limit, and no ended attempt has any left to give up")
         self.steps.clear(slot)
         self.samples.clear(slot)
         self.latest[slot] = np.nan
         return slot
 
-    def _reclaim(self) -> None:
+    def _room(self, new_attempt: bool) -> bool:
+        """Whether one more rank can have a slot (see :meth:`_slot`)."""
+        if self._free_slots or self._next_slot < self.max_ranks:
+            return True
+        olds = self.attempts if new_attempt else self.attempts[:-1]
+        return any(rs.slot is not None for att in olds for rs in att.ranks.values())
+
+    def _reclaim(self, force: bool = False) -> None:
         """Free the windows of ended attempts' ranks once the current attempt needs more
-        room than its world size allows for; a short summary of each is kept."""
+        room than its world size allows for (or, ``force``, at the hub's limit); a short
+        summary of each is kept."""
         cur = self.current
-        if cur is None or self._next_slot < self._slot_budget(cur):
+        if not force and (cur is None or self._next_slot < self._slot_budget(cur)):
             return
         for att in self.attempts[:-1]:
             for rs in att.ranks.values():
@@ -241,8 +472,12 @@ class RunState:
         return {f: (None if math.isnan(v) else float(v))
                 for f, v in zip(self.steps.fields, med.tolist(), strict=True)}
 
+    @staticmethod
+    def _group_of(ident: Identity) -> str:
+        return ident.group or f"{ident.job}#{ident.attempt}"
+
     def _attempt_for(self, ident: Identity, t_hub: float) -> Attempt:
-        group = ident.group or f"{ident.job}#{ident.attempt}"
+        group = self._group_of(ident)
         att = self._by_group.get(group)
         if att is not None:
             return att
@@ -258,13 +493,13 @@ class RunState:
             gone = self.attempts.pop(0)
             del self._by_group[gone.group]
             self._free_slots += [rs.slot for rs in gone.ranks.values() if rs.slot is not None]
-        # room for the new world at once (not rank by rank), within the slot budget
-        self._grow(min(self._next_slot + ident.world_size, self._slot_budget(att)))
+        # no room is made for the claimed world size: windows come as ranks do (_slot)
         return att
 
     @staticmethod
     def _slot_budget(att: Attempt) -> int:
-        """Slots the hub allows itself: the world size, a quarter more, and 64."""
+        """Slots kept before ended attempts' windows are given up: the world size, a
+        quarter more, and 64 (never more than ``max_ranks`` are held: see _slot)."""
         return int(att.world_size * 1.25) + 64
 
     def rank_state(self, rank: int, group: str | None = None) -> RankState | None:
@@ -281,96 +516,133 @@ class RunState:
 
     # ---- frames ---------------------------------------------------------------------
 
-    def apply(self, frame: wire.Frame, t_hub: float, history: bool = True
-              ) -> RankState | None:
+    def apply(self, frame: wire.Frame, t_hub: float, history: bool = True, *,
+              peer: RankState | None = None) -> RankState | None:
         """Apply one frame received (or replayed) at hub time ``t_hub``.
 
         Returns the rank the frame belongs to, if any. Raises :class:`ProtocolError` for
-        a frame whose content breaks the protocol. ``history=False`` keeps the ranks'
-        state and latest values but not the rolling windows: a replay seeking far ahead
-        skips what newer frames would push out of the windows anyway.
+        a frame whose content breaks the protocol; nothing of it is applied then.
+        ``history=False`` keeps the ranks' state and latest values but not the rolling
+        windows: a replay seeking far ahead skips what newer frames would push out of
+        the windows anyway. ``peer`` is the rank the connection the frame came on has
+        introduced (the hub's; None before its hello, and for a recording): one
+        connection is one rank, so a hello or a frame for another rank is refused.
         """
+        if not -_BIG <= t_hub <= _BIG:
+            raise ProtocolError(f"a frame at hub time {t_hub!r}")
         if t_hub > self.now:
             self.now = t_hub
         if self.started is None and t_hub > 0:
             self.started = t_hub
         self.frames += 1
         kind, p = frame.kind, frame.payload
-        if kind == wire.KIND_BATCH:
-            rs = self._rank_of(p)
-            self.on_batch(rs, p, t_hub, history)
-            return rs
         if kind == wire.KIND_HELLO:
-            return self.on_hello(p, t_hub)
-        if kind == wire.KIND_BYE:
-            rs = self._rank_of(p)
-            reason, error = p.get("reason"), p.get("error")
-            rs.status = "failed" if error else ("exited" if reason == "exit" else "finished")
-            rs.connected, rs.last_seen = False, t_hub
-            if isinstance(error, str):
-                rs.meta["error"] = error
-            if isinstance(p.get("dropped"), int):
-                rs.dropped = p["dropped"]
-            return rs
-        if kind == "offset":
-            rs = self._rank_of(p)
-            rs.offset_s, rs.rtt_s = p.get("offset_s"), p.get("rtt_s")
-            return rs
-        if kind == "conn" and p.get("event") == "close":
-            rs = self._rank_of(p)
-            self.on_disconnect(rs, t_hub)
-            return rs
-        if kind == wire.KIND_RUN:
-            self.run_info = dict(p)
-        return None  # clock frames and unknown kinds only move time forward
-
-    def _rank_of(self, p: dict[str, Any]) -> RankState:
-        rank = p.get("rank")
-        if not isinstance(rank, int):
-            raise ProtocolError("frame without an integer 'rank'")
-        group = p.get("group")
-        rs = self.rank_state(rank, group if isinstance(group, str) else None)
-        if rs is None:
-            raise ProtocolError(f"frame for rank {rank} before its hello")
+            rs = self.on_hello(p, t_hub, peer=peer)
+        elif kind in (wire.KIND_BATCH, wire.KIND_BYE, "offset") or (
+                kind == "conn" and p.get("event") == "close"):
+            rs = self._rank_of(p, peer)
+            if kind == wire.KIND_BATCH:
+                self.on_batch(rs, p, t_hub, history)
+            elif kind == wire.KIND_BYE:
+                self.on_bye(rs, p, t_hub)
+            elif kind == "offset":
+                offset = _number("offset: 'offset_s'", p.get("offset_s"))
+                rtt = _number("offset: 'rtt_s'", p.get("rtt_s"))
+                rs.offset_s, rs.rtt_s = offset, rtt
+            else:
+                self.on_disconnect(rs, t_hub)
+        else:
+            rs = None
+            if kind == wire.KIND_RUN:
+                self.run_info = clean_value("run", dict(p))
+            # clock frames and unknown kinds only move time forward
         return rs
 
-    def on_hello(self, p: dict[str, Any], t_hub: float) -> RankState:
-        """A rank introduced itself: find or make its state in the right attempt."""
-        raw = p.get("identity")
-        if not isinstance(raw, dict):
-            raise ProtocolError("hello without an identity map")
-        try:
-            ident = Identity.from_wire(raw)
-        except TypeError as exc:
-            raise ProtocolError(f"hello identity incomplete: {exc}") from None
-        if not isinstance(ident.rank, int) or not isinstance(ident.world_size, int) \
-                or not 0 <= ident.rank < 1 << 20 or not 1 <= ident.world_size <= 1 << 20 \
-                or not isinstance(ident.hostname, str):
-            raise ProtocolError("hello identity has no valid rank / world_size / hostname")
-        att = self._attempt_for(ident, t_hub)
-        rs = att.ranks.get(ident.rank)
+    def _rank_of(self, p: dict[str, Any], peer: RankState | None = None) -> RankState:
+        rank = p.get("rank")
+        if type(rank) is not int:
+            raise ProtocolError(f"frame without an integer 'rank' (got {_what(rank)})")
+        group = p.get("group")
+        if group is not None and not isinstance(group, str):
+            raise ProtocolError(f"'group' must be a string, got {_what(group)}")
+        rs = self.rank_state(rank, safe_text(group, MAX_NAME) if group else None)
         if rs is None:
-            rs = RankState(ident, att.number, self._slot(), first_seen=t_hub)
+            raise ProtocolError(f"frame for rank {rank} before its hello")
+        if peer is not None and rs is not peer:
+            raise ProtocolError(f"one connection is one rank: this connection speaks for "
+                                f"rank {peer.rank}, not rank {rank}")
+        return rs
+
+    def on_hello(self, p: dict[str, Any], t_hub: float, *, peer: RankState | None = None
+                 ) -> RankState:
+        """A rank introduced itself: find or make its state in the right attempt.
+
+        Refused (:class:`ProtocolError`) when its identity is malformed, when the
+        connection already speaks for another rank (``peer``), and when the hub holds
+        as many ranks as it may (``max_ranks``).
+        """
+        ident = clean_identity(p.get("identity"))
+        collector = clean_value("collector", p["collector"]) \
+            if isinstance(p.get("collector"), dict) else None
+        group = self._group_of(ident)
+        if peer is not None and (peer.rank != ident.rank
+                                 or self._group_of(peer.identity) != group):
+            raise ProtocolError(f"one connection is one rank: this connection speaks for "
+                                f"rank {peer.rank}, not rank {ident.rank} of group {group!r}")
+        att = self._by_group.get(group)
+        rs = att.ranks.get(ident.rank) if att is not None else None
+        if rs is None:
+            if not self._room(new_attempt=att is None):
+                raise ProtocolError(
+                    f"rank budget exhausted: the hub holds the windows of {self.max_ranks} "
+                    f"ranks, its limit; rank {ident.rank} of {ident.world_size} "
+                    f"(job {ident.job!r}) refused")
+            att = self._attempt_for(ident, t_hub)
+            rs = RankState(ident, att.number, self._slot(att), first_seen=t_hub)
             att.ranks[ident.rank] = rs
+        assert att is not None
         rs.identity = ident
         rs.status, rs.connected, rs.last_seen = "active", True, t_hub
-        if isinstance(p.get("collector"), dict):
-            rs.collector = p["collector"]
+        if collector is not None:
+            rs.collector = collector
         att.world_size = max(att.world_size, ident.world_size)
         return rs
 
+    def on_bye(self, rs: RankState, p: dict[str, Any], t_hub: float) -> None:
+        """The rank said goodbye: finished, exited, or failed with an error."""
+        reason = _opt_text("bye: 'reason'", p.get("reason"), MAX_WORD)
+        error = _opt_text("bye: 'error'", p.get("error"), MAX_ERROR, multiline=True)
+        dropped = _count("bye: 'dropped'", p.get("dropped"))
+        rs.status = "failed" if error else ("exited" if reason == "exit" else "finished")
+        rs.connected, rs.last_seen = False, t_hub
+        if error:
+            rs.meta["error"] = error
+        if dropped is not None:
+            rs.dropped = dropped
+
     def on_batch(self, rs: RankState, p: dict[str, Any], t_hub: float,
                  history: bool = True) -> None:
-        """Records from a rank (validated before anything is stored)."""
-        steps = _check_rows("steps", p.get("steps") or [], len(STEP_FIELDS))
-        gpu = _check_rows("gpu", p.get("gpu") or [], len(GPU_FIELDS))
-        host = _check_rows("host", p.get("host") or [], len(HOST_FIELDS))
-        mem = _check_rows("mem", p.get("mem") or [], len(MEM_FIELDS))
-        hbs = _check_rows("hb", p.get("hb") or [], len(HEARTBEAT_FIELDS))
+        """Records from a rank (all of it checked before anything is stored)."""
+        steps = _check_rows("steps", p.get("steps") or [])
+        gpu = _check_rows("gpu", p.get("gpu") or [])
+        host = _check_rows("host", p.get("host") or [])
+        mem = _check_rows("mem", p.get("mem") or [])
+        hbs = _check_rows("hb", p.get("hb") or [])
+        events = _check_rows("events", p.get("events") or [])
+        meta = clean_meta(p["meta"]) if p.get("meta") is not None else None
+        if meta is not None:
+            p["meta"] = meta
+            grown = len(rs.meta.keys() | meta.keys())
+            if grown > MAX_ENTRIES:
+                raise ProtocolError(f"meta would hold {grown} entries (at most "
+                                    f"{MAX_ENTRIES})")
+        dropped = _count("batch: 'dropped'", p.get("dropped"))
+        cpu = _number("batch: 'cpu_s'", p.get("cpu_s"))
         slot = rs.slot
         if slot is not None and history:
             for row in steps:
-                self.steps.append(slot, [_num(row[j]) for j in _STEP_PICK])
+                self.steps.append(slot, [_NAN if (v := row[j]) is None else v
+                                         for j in _STEP_PICK])
         if steps:
             if rs.warm_wall is None:
                 self._warm_up(rs, steps)
@@ -393,19 +665,15 @@ class RunState:
         for hb in hbs:
             rs.hb = hb
             if hb[_HB["stack"]]:
-                rs.stack, rs.stack_t = str(hb[_HB["stack"]]), t_hub
+                rs.stack, rs.stack_t = hb[_HB["stack"]], t_hub
         if hbs and slot is not None:
             self.latest[slot, -1] = _num(hbs[-1][_HB["phase_s"]])
-        events = p.get("events")
-        if isinstance(events, list):
-            rs.events.extend(e for e in events if isinstance(e, list))
-        if isinstance(p.get("meta"), dict):
-            rs.meta.update(p["meta"])
-        dropped = p.get("dropped")
-        if isinstance(dropped, int):
+        rs.events.extend(events)
+        if meta is not None:
+            rs.meta.update(meta)
+        if dropped is not None:
             rs.dropped = dropped
-        cpu = p.get("cpu_s")
-        if isinstance(cpu, (int, float)) and not isinstance(cpu, bool):
+        if cpu is not None:
             mark = rs.cpu_mark
             if mark is None or cpu < mark[0]:
                 rs.cpu_mark = (float(cpu), t_hub)
@@ -436,11 +704,11 @@ class RunState:
         latest = self.latest[slot]
         n_gpu, n_host = len(GPU_FIELDS) - 1, len(HOST_FIELDS) - 1
         if gpu:
-            latest[:n_gpu] = [_num(v) for v in gpu[-1][1:]]
+            latest[:n_gpu] = [_NAN if v is None else v for v in gpu[-1][1:]]
         if host:
-            latest[n_gpu:n_gpu + n_host] = [_num(v) for v in host[-1][1:]]
+            latest[n_gpu:n_gpu + n_host] = [_NAN if v is None else v for v in host[-1][1:]]
         if mem:
-            latest[n_gpu + n_host:-1] = [_num(v) for v in mem[-1][2:]]
+            latest[n_gpu + n_host:-1] = [_NAN if v is None else v for v in mem[-1][2:]]
         if not history:
             return
         for i in range(max(len(gpu), len(host), len(mem))):
@@ -520,7 +788,8 @@ class RunState:
         att = self.current
         run = RunInfo(
             job=att.job if att else "",
-            name=str(self.run_info.get("job") or ""),  # the hub's name for the job
+            # the hub's name for the job (a recording's run header is a peer's word too)
+            name=safe_text(str(self.run_info.get("job") or ""), MAX_NAME),
             attempt=att.number if att else None,
             attempts=len(self.attempts),
             world_size=att.world_size if att else 0,
@@ -533,7 +802,7 @@ class RunState:
         if isinstance(self.run_info.get("hub"), dict):
             run["hub"] = self.run_info["hub"]
         if isinstance(self.run_info.get("record"), str):
-            run["record"] = self.run_info["record"]
+            run["record"] = safe_text(self.run_info["record"], 4096)
         return RunView(t_hub=now, run=run, ranks=cast(RankColumns, cols),
                        # per node: the worst rank's figure (slowest step, longest wait, ...)
                        nodes=self._nodes(ranks, med), build_s=time.perf_counter() - t0)

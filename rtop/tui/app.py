@@ -20,6 +20,7 @@ from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 from textual.screen import Screen
 
+from rtop.fmt import safe_text
 from rtop.run.snapshot import Scaling, Snapshot
 from rtop.tui.detail import RankScreen
 from rtop.tui.messages import DetailReceived, SnapshotReceived, SourceStatus
@@ -82,7 +83,7 @@ class RtopApp(App[int]):
 
     def on_mount(self) -> None:
         """Start the source."""
-        self.title = f"rtop · {self.source.title}"
+        self.title = f"rtop · {safe_text(self.source.title)}"
         self._run_source()
 
     @work(thread=True, exclusive=True, name="source")
@@ -129,8 +130,8 @@ class RtopApp(App[int]):
             return
         with contextlib.suppress(NoMatches):
             self.overview.show_source(message.text, message.error)
-        if message.error:
-            self.notify(message.text, severity="error", timeout=4)
+        if message.error:  # the text may quote a hub's or a file's words: never markup
+            self.notify(message.text, severity="error", timeout=4, markup=False)
 
     # ---- screens ------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Sparkline, Static
 
-from rtop.fmt import NA, fixed, fmt_bytes, fmt_ms, fmt_pct, num
+from rtop.fmt import NA, fixed, fmt_bytes, fmt_ms, fmt_pct, num, safe_text
 from rtop.run.snapshot import Column, RankDetail, Snapshot
 from rtop.tui.model import growth_forecast, memory_split, rank_rows
 
@@ -98,7 +98,7 @@ def collector_notes(detail: RankDetail) -> Text:
     text = Text()
     if isinstance(device, dict) and device.get("name"):
         text.append("\nGPU ", "bold")
-        text.append(f"{device.get('name')}  {device.get('uuid') or ''}")
+        text.append(safe_text(f"{device.get('name')}  {device.get('uuid') or ''}"))
         if device.get("mig"):
             text.append("  (a MIG instance)")
         window = device.get("pcie_window")
@@ -108,12 +108,12 @@ def collector_notes(detail: RankDetail) -> Text:
         elif window == "interval":
             text.append("\n  PCIe figures are averaged over each sampling interval.", "dim")
     elif isinstance(meta.get("device_reason"), str):
-        text.append(f"\nGPU not measured: {meta['device_reason']}", "yellow")
+        text.append(f"\nGPU not measured: {safe_text(meta['device_reason'], 1024)}", "yellow")
     if notes:
         text.append("\nCollector notes\n", "bold")
         for note in notes[-8:]:
             style = "yellow" if note.startswith("rtop turned off") else "dim"
-            text.append(f"  {note}\n", style)
+            text.append(f"  {safe_text(note, 1024)}\n", style)
     return text
 
 
@@ -185,7 +185,7 @@ class RankScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         """Title, series, memory, stack, events."""
-        yield Static(f"rank {self.rank}", id="title")
+        yield Static(Text(f"rank {self.rank}"), id="title")
         with VerticalScroll():
             with VerticalScroll(id="series"):
                 for title, *_ in SERIES:
@@ -218,14 +218,16 @@ class RankScreen(Screen[None]):
         rows = rank_rows(self.snapshot) if self.snapshot is not None else []
         row = next((r for r in rows if r.rank == self.rank), None)
         badge = row.badge if row else ""
-        title.append(f"  node {ident.get('hostname') or '?'} ({ident.get('ip') or '?'})"
-                     f"  pid {ident.get('pid', '?')}  local rank {ident.get('local_rank', '?')}"
-                     f"  {ident.get('source', '')}  {d.get('status')}")
+        # names as text (never markup), and safe even from a hub that did not clean them
+        title.append(safe_text(
+            f"  node {ident.get('hostname') or '?'} ({ident.get('ip') or '?'})"
+            f"  pid {ident.get('pid', '?')}  local rank {ident.get('local_rank', '?')}"
+            f"  {ident.get('source', '')}  {d.get('status')}", 1024))
         if badge:
             title.append(f"  {badge}", "bold red")
         hb = d.get("hb")
         if isinstance(hb, (list, tuple)) and len(hb) >= 3 and hb[1]:
-            title.append(f"\nnow: {hb[1]} for {fmt_phase(hb[2])}")
+            title.append(f"\nnow: {safe_text(str(hb[1]), 64)} for {fmt_phase(hb[2])}")
         self.query_one("#title", Static).update(title)
         history = {"steps": d.get("steps") or {}, "samples": d.get("samples") or {}}
         for widget, (_, src, fld, fmt) in zip(self.query(Series), SERIES, strict=True):
@@ -262,7 +264,7 @@ class RankScreen(Screen[None]):
         if stack:
             st.append("Python stack of the main thread (it has been in one phase too long)\n",
                       "bold red")
-            st.append(str(stack).rstrip())
+            st.append(safe_text(str(stack), 20000, multiline=True, keep_end=True).rstrip())
         self.query_one("#stack", Static).update(st)
         events = d.get("events") or []
         ev = Text()
@@ -292,5 +294,5 @@ class RankScreen(Screen[None]):
         ranks = sorted(self.ranks)
         i = ranks.index(self.rank) if self.rank in ranks else 0
         self.rank = ranks[(i + delta) % len(ranks)]
-        self.query_one("#title", Static).update(f"rank {self.rank} …")
+        self.query_one("#title", Static).update(Text(f"rank {self.rank} …"))
         self.post_message(self.Switched(self.rank))

@@ -10,7 +10,7 @@ from rich.text import Text
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
-from rtop.fmt import NA
+from rtop.fmt import NA, safe_text
 from rtop.run.snapshot import FindingDict
 
 SEVERITY_STYLE = {"critical": ("‼", "bold white on red"), "warning": ("!", "bold yellow"),
@@ -26,7 +26,7 @@ def finding_line(f: FindingDict) -> Text:
     text.append(f" {glyph} ", style)
     text.append(f" {f['kind']}", "bold")
     text.append(f" [{shown}] ", "dim")
-    text.append(f["summary"])
+    text.append(safe_text(f["summary"], 2000))
     return text
 
 
@@ -97,20 +97,20 @@ def evidence_text(f: FindingDict) -> Text:
     glyph, style = SEVERITY_STYLE.get(f["severity"], ("?", ""))
     text.append(f" {glyph} {f['kind']} ", style)
     text.append(f"  ranks {', '.join(str(r) for r in f['ranks'][:32])}\n", "bold")
-    text.append(f["summary"] + "\n")
+    text.append(safe_text(f["summary"], 2000) + "\n")
     for k, v in f["evidence"].items():
         if k == "ranks" and isinstance(v, dict):
             for r, figures in list(v.items())[:8]:
                 text.append(f"  rank {r}: ", "bold")
-                text.append(_value("", figures) + "\n", "dim")
+                text.append(safe_text(_value("", figures), 2000) + "\n", "dim")
             continue
         if k == "stack":
             continue
         text.append(f"  {k}: ", "bold")
-        text.append(_value(k, v) + "\n", "dim")
+        text.append(safe_text(_value(k, v), 2000) + "\n", "dim")
     if f["fix"]:
         text.append("Fix: ", "bold green")
-        text.append(f["fix"])
+        text.append(safe_text(f["fix"], 2000))
     return text
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import Static
 
-from rtop.fmt import NA, fmt_duration, fmt_pct
+from rtop.fmt import NA, fmt_duration, fmt_pct, safe_text
 from rtop.run.snapshot import Snapshot
 from rtop.tui.model import job_figures
 
@@ -29,7 +29,7 @@ class JobHeader(Static):
         line1 = Text(no_wrap=True, overflow="ellipsis")
         line1.append("rtop ", "bold")
         if snap is None:
-            line1.append(self.source_text or "connecting…",
+            line1.append(safe_text(self.source_text, 300) or "connecting…",
                          "bold red" if self.source_error else "dim")
             self.update(line1, layout=False)
             return
@@ -44,7 +44,8 @@ class JobHeader(Static):
             line1.append(f"  replay {fmt_duration(rp['position_s'])}"
                          f"/{fmt_duration(rp['duration_s'])} {state}", "bold yellow")
         if self.source_text:
-            line1.append(f"  {self.source_text}", "bold red" if self.source_error else "dim")
+            line1.append(f"  {safe_text(self.source_text, 300)}",
+                         "bold red" if self.source_error else "dim")
         line2 = Text(no_wrap=True, overflow="ellipsis")
         world = j.world or j.seen
         if j.active == 0 and j.seen and not j.lost:

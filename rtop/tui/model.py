@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rtop.analysis.kinds import BADGE_WEIGHT, KINDS
-from rtop.fmt import num
+from rtop.fmt import num, safe_text
 from rtop.run.snapshot import FindingDict, RankDetail, Snapshot
 
 #: Statuses that are not a finding's badge but still worth a word.
@@ -102,7 +102,8 @@ def rank_rows(snap: Snapshot, highlight: set[int] | None = None) -> list[RankRow
         badge = badges.get(rank, "") or (STATUS_BADGES.get(st, "") if st != "active" else "")
         step = cols["step"][i]
         rows.append(RankRow(
-            int(rank), str(cols["node"][i] or "?"), st, badge, step if step >= 0 else None,
+            int(rank), safe_text(str(cols["node"][i] or "?")), st, badge,
+            step if step >= 0 else None,
             num(cols["step_s"][i]), num(cols["data_wait_s"][i]), num(cols["compute_s"][i]),
             num(cols["comm_s"][i]), num(cols["comm_exposed_s"][i]),
             num(cols["busbw_Bps"][i]), num(cols["gpu_util_pct"][i]), u, c, head,
@@ -250,7 +251,7 @@ def job_figures(snap: Snapshot) -> JobFigures:
             eff = statistics.median(c / (c + e) for c, e in pairs)
     dropped = sum(d for d in cols["dropped"] if isinstance(d, int))
     cpus = [v for v in (num(x) for x in cols["rtop_cpu"]) if v is not None]
-    name, job_id = run["name"] or "", run["job"] or ""
+    name, job_id = safe_text(run["name"] or ""), safe_text(run["job"] or "")
     return JobFigures(
         name or job_id or "(unnamed job)", run["world_size"] or 0, run["ranks_seen"] or 0,
         run["attempt"], run["attempts"] or 0, run["uptime_s"] or 0.0, rate,

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
-import msgpack
 from textual.message import Message
 
 from collectors import wire
@@ -125,7 +124,8 @@ def recording_span(path: str | Path) -> tuple[float | None, float | None]:
             head = None
         if head is not None and head.kind == wire.KIND_RUN:
             hub = head.payload.get("hub")
-            if isinstance(hub, dict) and isinstance(hub.get("started"), (int, float)):
+            if isinstance(hub, dict) and isinstance(hub.get("started"), (int, float)) \
+                    and math.isfinite(hub["started"]):
                 start = float(hub["started"])
         size = f.seek(0, 2)
         f.seek(max(0, size - (1 << 20)))
@@ -137,11 +137,14 @@ def recording_span(path: str | Path) -> tuple[float | None, float | None]:
             break
         try:
             n = wire.parse_header(tail[i - wire.HEADER_BYTES:i])
-            _kind, payload = msgpack.unpackb(tail[i:i + n], raw=False)
-            end = float(payload["t_hub"])
-            break
-        except (wire.WireError, struct.error, ValueError, KeyError, TypeError,
-                msgpack.UnpackException):
+            # wire's own decoder: what a body claims is checked against what it holds
+            frame = wire.decode_body(tail[i:i + n])
+            t = frame.payload.get("t_hub") if frame.kind == wire.KIND_CLOCK else None
+            if isinstance(t, (int, float)) and not isinstance(t, bool) \
+                    and math.isfinite(t):
+                end = float(t)
+                break
+        except (wire.WireError, struct.error, ValueError):
             continue
     return start, end
 
@@ -276,12 +279,15 @@ class ReplaySource(Source):
             if step is not None and self._max_step() >= step:
                 break
             self._next = None
+            if not math.isfinite(t):  # a recording's clock is a peer's word too
+                self.state.bad_frames += 1
+                continue
             try:
                 self.monitor.apply(frame, t, history=t >= full_from)
             except ProtocolError:
                 self.state.bad_frames += 1
             self._now = max(self._now, t)
-            if frame.kind == "clock":
+            if frame.kind == wire.KIND_CLOCK:
                 self.state.now = t
                 self.monitor.advance(t, diagnose=t >= analyse_from)
         if until is not None and not self.finished:

@@ -1,4 +1,9 @@
-"""The fabric and scaling views and the help screen."""
+"""The fabric and scaling views and the help screen.
+
+Names (nodes) go into the tables as :class:`~rich.text.Text`, never as a string: a
+table parses a string cell as markup, and a node named ``[/]`` or
+``[@click=app.quit]x`` must show as just that.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Static
 
-from rtop.fmt import NA, fmt_bytes, fmt_ms, fmt_pct, fmt_rate, num
+from rtop.fmt import NA, fmt_bytes, fmt_ms, fmt_pct, fmt_rate, num, safe_text
 from rtop.run.snapshot import Snapshot
 from rtop.tui.model import rank_rows
 
@@ -45,7 +50,7 @@ class FabricScreen(Screen[None]):
         expected = num(ov.get("expected_busbw_Bps"))
         out = Text()
         out.append("Fabric: ", "bold")
-        out.append(f"{ov.get('fabric') or 'unknown'}", "bold cyan")
+        out.append(safe_text(str(ov.get("fabric") or "unknown")), "bold cyan")
         out.append(f"  expected bus bandwidth {fmt_rate(expected)}  " if expected else
                    "  (no expected bandwidth for this fabric class)  ")
         out.append("busbw = bytes/t × 2(n−1)/n, from the rank that reaches the allreduce last\n",
@@ -56,7 +61,8 @@ class FabricScreen(Screen[None]):
             t.add_column(c, justify="right" if c not in ("node", "vs expected") else "left")
         for i, name in enumerate(nodes["node"]):
             bus = num(nodes["busbw_Bps"][i])
-            t.add_row(name, str(nodes["ranks"][i]), str(nodes["active"][i]), fmt_rate(bus),
+            t.add_row(Text(safe_text(str(name))), str(nodes["ranks"][i]),
+                      str(nodes["active"][i]), fmt_rate(bus),
                       ratio_bar(bus, expected), fmt_ms(nodes["comm_s"][i]))
         rows = sorted((r for r in rank_rows(snap) if r.busbw is not None),
                       key=lambda r: r.busbw or 0.0)
@@ -65,7 +71,7 @@ class FabricScreen(Screen[None]):
         for c in ("rank", "node", "busbw", "vs expected", "comm ms", "exposed ms"):
             rt.add_column(c, justify="right" if c not in ("node", "vs expected") else "left")
         for r in rows[:32]:
-            rt.add_row(str(r.rank), r.node, fmt_rate(r.busbw), ratio_bar(r.busbw, expected),
+            rt.add_row(str(r.rank), Text(r.node), fmt_rate(r.busbw), ratio_bar(r.busbw, expected),
                        fmt_ms(r.comm_s), fmt_ms(r.exposed_s))
         note = Text("\nPairwise probe matrix: not measured in this run "
                     "(the on-demand link probe fills it).", "dim")
