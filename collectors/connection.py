@@ -433,6 +433,13 @@ class HubConnection:
         """Queue a protocol frame that carries no records (pong, bye) to be written."""
         self._writing.append([memoryview(wire.encode(kind, payload)), 0])
 
+    def queue_frame(self, kind: str, payload: dict[str, Any]) -> None:
+        """Queue a frame without records (an action's answer) for the hub, when one is
+        up; with none it is dropped: the hub that asked is gone, and a later hub did
+        not ask."""
+        if self.state is ConnState.UP:
+            self._queue_control(kind, payload)
+
     def _write(self, now: float) -> None:
         sock = self._sock
         while sock is not None and self._writing:

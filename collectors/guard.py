@@ -18,6 +18,7 @@ point                     where it runs                                  feature
 ``commhook.done``         the comm hook's completion callback            collective timing
 ``ddptimer.read``         reading DDP's own timer at step exit           collective timing
 ``ddptimer.backward``     the hook on the last gradient (phase "comm")   collective timing
+``control.boundary``      running a hub's action at a step boundary      control actions
 ========================  =============================================  =================
 
 A framework integration (a Lightning or Hugging Face callback) adds its callbacks here,
@@ -50,7 +51,19 @@ ENTRY_POINTS: Final[dict[str, tuple[str, str]]] = {
     "commhook.done": ("the DDP comm hook's completion callback", "collective timing"),
     "ddptimer.read": ("reading DDP's own timer at step exit", "collective timing"),
     "ddptimer.backward": ("the hook on the last gradient of backward", "collective timing"),
+    "control.boundary": ("running a hub's action (profile, probe) at a step boundary",
+                         "control actions"),
 }
+
+#: The guarded points of framework integrations (``collectors.lightning``,
+#: ``collectors.hf``), registered by each when it is imported (:func:`register`); their
+#: own tests fault-inject them, since they need their framework.
+CALLBACK_POINTS: dict[str, tuple[str, str]] = {}
+
+
+def register(points: dict[str, tuple[str, str]]) -> None:
+    """Add a framework integration's guarded points (point -> (where, feature))."""
+    CALLBACK_POINTS.update(points)
 
 
 class Faults:
@@ -68,7 +81,7 @@ class Faults:
     def failed(self, point: str, error: BaseException | str) -> bool:
         """``point`` failed with ``error``: turn its feature off. True the first time
         the feature goes off (the caller then does what turning it off takes)."""
-        where, feature = ENTRY_POINTS.get(point, (point, point))
+        where, feature = ENTRY_POINTS.get(point) or CALLBACK_POINTS.get(point, (point, point))
         if feature in self.off:
             return False
         if isinstance(error, BaseException):

@@ -195,6 +195,8 @@ class _StepTimer:
             a.phase, a.since = "idle", t
         except Exception as error:  # guard point "step.exit": never raise into the job
             p._fault("step.exit", error)
+        if p._armed:  # a hub's action (profile, probe) waits for a step boundary
+            p._boundary()
         return False
 
 
@@ -293,6 +295,11 @@ class Probe:
         self.exit_reason = ""
         self.exit_error: str | None = None  # an uncaught exception, when we saw one
         self.memory = MemorySampler(self.config.memory_capacity_bytes)
+        #: Actions of the hub armed for the training thread (:class:`collectors.control.
+        #: Armed`); replaced whole under ``_armed_lock``, read without it.
+        self._armed: list[Any] = []
+        self._armed_lock = threading.Lock()
+        self._control_off = False
         self._closed = False
         from collectors.sender import Sender
 
@@ -389,11 +396,38 @@ class Probe:
             elif point == "iter":
                 self._iter_off = True
                 self._wait_t0 = self._wait_s = self._samples = None
+            elif point == "control.boundary":
+                self._control_off = True
+                with self._armed_lock:
+                    armed, self._armed = self._armed, []
+                for a in armed:
+                    a.cancel(f"control actions are off on this rank: {error}")
             elif point.startswith(("commhook.", "ddptimer.")) and not self.comm.failed:
                 self.comm.fail(point, error if isinstance(error, BaseException)
                                else RuntimeError(error))
         except Exception:
             pass
+
+    # ---- the hub's actions (collectors.control) -----------------------------------
+
+    def _arm(self, armed: Any) -> None:
+        """Arm an action for the training thread's next step boundaries (any thread)."""
+        if self._control_off or self._closed:
+            raise RuntimeError("control actions are off on this rank" if self._control_off
+                               else "the rank is closing")
+        with self._armed_lock:
+            self._armed = [*self._armed, armed]
+
+    def _boundary(self) -> None:
+        """On the training thread at a step boundary: run what is armed (guard point
+        ``control.boundary``: a failure turns control actions off, never the job)."""
+        try:
+            for armed in self._armed:
+                if armed.at_boundary(self._step):
+                    with self._armed_lock:
+                        self._armed = [a for a in self._armed if a is not armed]
+        except Exception as exc:
+            self._fault("control.boundary", exc)
 
     def _cuda_failed(self, why: str) -> None:
         """The event pool could not record: steps are timed on the host from now on."""
@@ -442,6 +476,10 @@ class Probe:
             return
         self._closed = True
         self.exit_reason = reason
+        try:
+            self._sender.control.close()
+        except Exception as exc:
+            log.debug("rtop: aborting the hub's actions failed: %r", exc)
         self._sender.stop(self.config.close_timeout_s if timeout is None else timeout)
         ddptimer.release(self)  # the model goes back to DDP's own sampling
 

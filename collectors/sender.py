@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from collectors import wire
 from collectors.connection import HubConnection
+from collectors.control import Control
 from collectors.logonce import LogOnce
 from collectors.samplers import (
     GpuSampler,
@@ -90,9 +91,11 @@ class Sender(threading.Thread):
             LazyHostSampler(),
             self._gpu,
         ]
+        #: The rank's side of the control channel (the hub's actions)
+        self.control = Control(probe, self._wake)
         self.connection = HubConnection(
             self._cfg, probe.identity, collector_info=self._collector_info,
-            on_connect=self._on_connect,
+            on_connect=self._on_connect, on_control=self.control.on_control,
         )
 
     # ---- called from other threads ----------------------------------------------
@@ -114,12 +117,16 @@ class Sender(threading.Thread):
         """The training device is ``cuda:index``: sample that GPU with NVML."""
         self._gpu.use_cuda_device(index)
 
+    def _wake(self) -> None:
+        """Wake the thread now (an action's answer is waiting to go out)."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
     def stop(self, timeout: float) -> None:
         """Flush within ``timeout`` seconds, then end the thread. Never hangs."""
         self._deadline = time.monotonic() + max(0.0, timeout)
         self._stop_evt.set()
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        self._wake()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout + 0.5)
 
@@ -138,7 +145,8 @@ class Sender(threading.Thread):
                 if stopping:
                     # the last round: each part guarded on its own, so that the goodbye
                     # (carrying the job's exit error) goes out whatever fails before it
-                    for part in (self._final_drain, self._sample, self._flush):
+                    for part in (self._final_drain, self._sample, self._flush,
+                                 self._answers):
                         try:
                             part()
                         except Exception as exc:
@@ -157,6 +165,7 @@ class Sender(threading.Thread):
                 if now >= next_clock:
                     self._steps.clock.refresh()
                     next_clock = now + CLOCK_REFRESH_S
+                self._guarded("answers", self._answers)
                 self.connection.pump(now)
                 self._sleep(min(tick, max(0.0, min(next_flush, next_sample) - now) + 0.001))
         except Exception:
@@ -171,6 +180,10 @@ class Sender(threading.Thread):
             for fd in (self._wake_r, self._wake_w):
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+    def _answers(self) -> None:
+        """Hand the control channel's queued answers to the connection."""
+        self.control.flush(self.connection.queue_frame)
 
     def _guarded(self, what: str, part: Any) -> None:
         """Run one part of a round; an error is logged once and the thread goes on."""

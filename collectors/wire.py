@@ -58,9 +58,10 @@ KIND_ERROR: Final = "error"  # refused: wrong token, bad frame, forbidden kind, 
 KIND_BATCH: Final = "batch"  # records of the tables in collectors.schema
 KIND_PONG: Final = "pong"  # answer to a ping: clock-offset sample
 KIND_BYE: Final = "bye"  # clean close, with final counters
+KIND_RESULT: Final = "result"  # an action's progress or answer (rank -> hub -> control peer)
 # Hub -> rank
 KIND_PING: Final = "ping"  # asks for a pong (clock offset refresh)
-KIND_CONTROL: Final = "control"  # a command: to a rank, or from a control peer to the hub
+KIND_CONTROL: Final = "control"  # an action: to a rank, or from a control peer to the hub
 # Viewer <-> hub
 KIND_SUBSCRIBE: Final = "subscribe"
 KIND_SNAPSHOT: Final = "snapshot"
@@ -70,7 +71,7 @@ KIND_RUN: Final = "run"  # first frame of a recording: what wrote it and when
 KIND_CLOCK: Final = "clock"  # the hub's time, written to a recording every cycle
 
 #: What an authenticated rank may send (hello again: its own, e.g. after a restart).
-RANK_KINDS: Final = frozenset({KIND_HELLO, KIND_BATCH, KIND_PONG, KIND_BYE})
+RANK_KINDS: Final = frozenset({KIND_HELLO, KIND_BATCH, KIND_PONG, KIND_BYE, KIND_RESULT})
 #: What an authenticated viewer may send.
 VIEWER_KINDS: Final = frozenset({KIND_SUBSCRIBE, KIND_REQUEST})
 #: What an authenticated control peer may send: a viewer's kinds and control frames.

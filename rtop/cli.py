@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rtop import __version__
-from rtop.fmt import fixed
+from rtop.fmt import fixed, fmt_ranks
 from rtop.run.snapshot import Snapshot
 
 TOKEN_WARNING = ("rtop: warning: --token is visible to every user of this machine "
@@ -33,6 +33,36 @@ def _add_token_args(parser: argparse.ArgumentParser, default_help: str) -> None:
     group.add_argument("--token", default=None,
                        help="the token itself: visible to other users in ps; prefer "
                             "RTOP_TOKEN or --token-file")
+
+
+def _action_args(parser: argparse.ArgumentParser) -> None:
+    """What every action subcommand takes: the hub, the token, a deadline, --json."""
+    parser.add_argument("address", nargs="?", help="hub host:port (default: discover)")
+    _add_token_args(parser, "the discovered hub's; the master or control token")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="give up on ranks that have not answered after S seconds "
+                             "(default: the hub's choice for the action)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def parse_ranks(text: str) -> list[int]:
+    """``"0,3,5-7"`` → ``[0, 3, 5, 6, 7]``; raises :class:`UsageError` on anything else."""
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo or hi - lo > 1 << 20:
+                    raise ValueError
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise UsageError(f"--ranks: {part!r} is not a rank or a range like 0-7") from None
+    if not out or min(out) < 0:
+        raise UsageError("--ranks: give rank numbers, e.g. 0,3 or 0-7")
+    return sorted(out)
 
 
 def resolve_token(args: argparse.Namespace) -> str | None:
@@ -114,6 +144,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("list", help="list the hubs rtop can find")
 
+    profile = sub.add_parser(
+        "profile", help="capture a few steps with torch.profiler on running ranks",
+        description="Capture K steps with torch.profiler on the chosen ranks of a running "
+                    "job, from a step common to all of them, and print each rank's top "
+                    "operators and its compute, communication and idle time. Traces are "
+                    "written with tensorboard_trace_handler (torch-tb-profiler, HTA and "
+                    "Perfetto open them). Needs the control token.")
+    _action_args(profile)
+    profile.add_argument("--ranks", default=None, metavar="LIST",
+                         help="ranks to profile, e.g. 0,3 or 0-7 (default: every rank)")
+    profile.add_argument("--steps", type=int, default=5, metavar="K",
+                         help="steps to capture (default 5)")
+    profile.add_argument("--out", default=None, metavar="DIR",
+                         help="trace directory, on each rank's node (default: beside the "
+                              "run's recording, RUN.profiles/<time>)")
+
+    probe = sub.add_parser(
+        "probe", help="measure every link between the ranks of a running job",
+        description="Measure point-to-point bandwidth between every pair of ranks over the "
+                    "job's own process group, in round-robin rounds, at a step common to "
+                    "every rank, and name the slow links or the slow node. The job pauses "
+                    "while it runs. Needs the control token.")
+    _action_args(probe)
+    probe.add_argument("--bytes", type=int, default=16 << 20, metavar="N",
+                       help="bytes per transfer (default 16 MiB)")
+
+    stacks = sub.add_parser(
+        "stacks", help="every rank's Python stacks, grouped like a distributed py-spy dump",
+        description="Every thread's Python stack on every rank, taken off the training "
+                    "thread (a hung rank answers too), ranks with identical stacks grouped. "
+                    "Needs the control token.")
+    _action_args(stacks)
+    stacks.add_argument("--ranks", default=None, metavar="LIST",
+                        help="ranks, e.g. 0,3 or 0-7 (default: every rank)")
+    stacks.add_argument("--all-threads", action="store_true",
+                        help="show rtop's own threads too")
+
     token = sub.add_parser(
         "token", help="print one role's token (ingest, view, control), derived from the "
                       "hub's master token",
@@ -172,6 +239,8 @@ def _run(args: argparse.Namespace) -> int:
         return cmd_list()
     if args.command == "token":
         return cmd_token(args)
+    if args.command in ("profile", "probe", "stacks"):
+        return cmd_action(args)
     if args.command == "attach":
         return cmd_attach(args)
     if args.command == "replay":
@@ -368,6 +437,53 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(format_snapshot(snap))
     return 0
+
+
+def cmd_action(args: argparse.Namespace) -> int:
+    """``rtop profile|probe|stacks``: act on a running job through its hub (control
+    role) and print the result. Exit 0 when every rank answered, 1 when some did not
+    (or no hub was found), 2 when the hub refused (token, ranks, another action)."""
+    import json
+
+    from rtop.client import HubClient, HubError
+
+    action = args.command
+    ranks = parse_ranks(args.ranks) if getattr(args, "ranks", None) else None
+    body: dict[str, Any] = {}
+    if action == "profile":
+        if not 1 <= args.steps <= 1000:
+            raise UsageError("--steps must be 1 to 1000")
+        body = {"steps": args.steps}
+        if args.out:
+            body["dir"] = str(Path(args.out).expanduser().resolve())
+    elif action == "probe":
+        body = {"bytes": args.bytes}
+    picked = _pick_hub(args.address, resolve_token(args))
+    if picked is None:
+        return 1
+    address, token = picked
+
+    def started(p: dict[str, Any]) -> None:
+        if args.json:
+            return
+        where = f" from step {p['at_step']}" if p.get("at_step") is not None else ""
+        print(f"rtop {action}: ranks {fmt_ranks(p.get('ranks') or [])}{where}, up to "
+              f"{p.get('timeout_s')} s ...", file=sys.stderr, flush=True)
+
+    try:
+        with HubClient(address, token, role="control") as client:
+            out = client.act(action, ranks=ranks, args=body, timeout_s=args.timeout,
+                             on_started=started)
+    except HubError as exc:
+        print(f"rtop {action}: {exc}", file=sys.stderr)
+        return 2
+    from rtop.actions import action_result, action_text
+
+    result = action_result(out)
+    print(json.dumps(result, default=str) if args.json else
+          action_text(action, result, all_threads=getattr(args, "all_threads", False)))
+    complete = not out.get("missing") and not out.get("errors") and not out.get("cancelled")
+    return 0 if complete else 1
 
 
 def cmd_token(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from collectors import auth, wire
@@ -31,6 +31,8 @@ class HubClient:
                  role: str = "viewer") -> None:
         host, port = wire.parse_address(address)
         self.address = address
+        self._timeout = timeout
+        self._seq = 0
         if role not in _KEY_ROLE:
             raise ValueError(f"unknown role {role!r} (viewer or control)")
         key = auth.key_for(token, _KEY_ROLE[role])
@@ -106,7 +108,11 @@ class HubClient:
             if frame.kind == kind:
                 return frame.payload
             if frame.kind == wire.KIND_ERROR:
-                raise HubError(_clip(frame.payload.get("message"), 200))
+                code = frame.payload.get("code")
+                msg = _clip(frame.payload.get("message"), 200)
+                if code == "forbidden" and "control" in msg:
+                    msg += " (acting on a job needs the control token: `rtop token control`)"
+                raise HubError(msg)
 
     def snapshot(self) -> Snapshot:
         """The hub's current snapshot."""
@@ -123,6 +129,50 @@ class HubClient:
         self._send(wire.KIND_SUBSCRIBE, {"rate_hz": rate_hz})
         while True:
             yield cast(Snapshot, self._expect(wire.KIND_SNAPSHOT))
+
+    def act(self, action: str, *, ranks: list[int] | None = None,
+            args: dict[str, Any] | None = None, timeout_s: float | None = None,
+            on_started: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Ask the hub for an action on the ranks (``profile``, ``probe``, ``stacks``;
+        needs the control role) and wait for its result: ``{"action", "ranks",
+        "answers": [...], "errors": [{"rank", "error"}], "missing": [ranks], ...}``.
+
+        The hub answers by its deadline (``timeout_s``, or one it picks for the
+        action), naming the ranks that did not answer; this waits that long and a
+        little more. A refusal (no such rank, another action running, not the control
+        role) raises :class:`HubError` with the hub's reason.
+        """
+        self._seq += 1
+        cid = f"c{self._seq}"
+        body: dict[str, Any] = {"id": cid, "action": action, "args": args or {}}
+        if ranks is not None:
+            body["ranks"] = list(ranks)
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        self._send(wire.KIND_CONTROL, body)
+        wait = (timeout_s or 60.0) + 15.0
+        while True:
+            self._sock.settimeout(wait)
+            try:
+                p = self._expect(wire.KIND_RESULT)
+            except TimeoutError:
+                raise HubError(f"the hub sent no answer to the {action} within "
+                               f"{wait:.0f} s") from None
+            finally:
+                self._sock.settimeout(self._timeout)
+            if p.get("id") != cid:
+                continue
+            state = p.get("state")
+            if state == "refused":
+                raise HubError(f"the hub refused the {action}: {_clip(p.get('error'), 300)}")
+            if state == "started":
+                t = p.get("timeout_s")
+                if isinstance(t, (int, float)) and t > 0:
+                    wait = float(t) + 15.0
+                if on_started is not None:
+                    on_started(p)
+                continue
+            return p
 
     def close(self) -> None:
         """Disconnect."""

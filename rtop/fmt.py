@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import unicodedata
+from collections.abc import Iterable
 from typing import Final
 
 #: What a figure that was not measured prints as.
@@ -101,3 +102,16 @@ def fmt_duration(seconds: object) -> str:
         return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
     return f"{s // 60}:{s % 60:02d}"
 
+
+def fmt_ranks(ranks: Iterable[int]) -> str:
+    """Rank numbers as compact ranges: ``[0, 1, 2, 5, 7, 8]`` → ``"0-2,5,7-8"``."""
+    rs = sorted(set(ranks))
+    out: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)

@@ -59,6 +59,22 @@ class FaultyLogger:
         return getattr(self.real, name)
 
 
+class FaultyArmed:
+    """A hub's action armed on the training thread whose boundary call raises once (a
+    bug in rtop's own dispatch: ``collectors.control.Armed`` catches the action's)."""
+
+    def __init__(self) -> None:
+        self.fired = 0
+        self.cancelled: str | None = None
+
+    def at_boundary(self, step: int) -> bool:
+        self.fired += 1
+        raise RuntimeError("injected fault")
+
+    def cancel(self, why: str) -> None:
+        self.cancelled = why
+
+
 def _data(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 + rank)
     return [(torch.randn(16, 40, generator=g), torch.randn(16, 7, generator=g))
@@ -104,9 +120,12 @@ def _scenario(point: str, rank: int) -> dict[str, Any]:
         if point == "ddptimer.read":
             logger = FaultyLogger(probe.comm.ddp_logger)
             probe.comm.ddp_logger = logger
+        armed = FaultyArmed()
         done = 0
         for i, (x, y) in enumerate(probe.iter(_data(rank))):
             arm = i == FAULT_AT
+            if arm and point == "control.boundary":
+                probe._arm(armed)  # runs at this step's exit
             if arm and point == "step.enter":
                 clocks["probe"].arm()
             if arm and point == "cuda.record":
@@ -132,7 +151,7 @@ def _scenario(point: str, rank: int) -> dict[str, Any]:
                 clocks["probe"].arm()  # the loader wrapper's next clock reading
             done += 1
         fired = sum(c.fired for c in clocks.values()) + (logger.fired if logger else 0) \
-            + (fake.sticky is not None)
+            + (fake.sticky is not None) + armed.fired
         params = [p.detach().clone() for p in model.parameters()]
         result = {
             "steps": done, "fired": fired, "records": len(probe.records),

@@ -266,8 +266,8 @@ def test_prometheus_metrics_need_the_view_token(hub):
         assert err.value.code == 403
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {view}"})
     text = urllib.request.urlopen(req, timeout=5).read().decode()
-    assert 'rtop_step_seconds{rank="0",node="node-a"} 0.25' in text
-    assert 'rtop_rank_up{rank="0",node="node-a"} 1' in text
+    assert 'rtop_step_seconds{job="test-job",node="node-a",rank="0"} 0.25' in text
+    assert 'rtop_rank_up{job="test-job",node="node-a",rank="0"} 1.0' in text
 
 
 def test_security_defaults(hub, tmp_path):

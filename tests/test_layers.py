@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rtop", "rtop.fmt", "rtop.run"),
     ("rtop.analysis",),
     ("rtop.hub",),
-    ("rtop.client", "rtop.report", "rtop.discovery"),
+    ("rtop.client", "rtop.report", "rtop.discovery", "rtop.actions"),
     ("rtop.tui",),
     ("rtop.cli", "rtop.demo", "rtop.workload", "rtop.__main__"),
 )

@@ -453,12 +453,16 @@ def test_roles_each_token_does_only_its_own(tmp_path):
         assert viewer.recv().kind == wire.KIND_WELCOME
         viewer.send(wire.KIND_CONTROL, {"command": "profile"})
         assert viewer.recv().payload["code"] == "forbidden"
-        # control: accepted from the control role (no actions exist yet: said so)
+        # control: accepted from the control role (an action it cannot do is refused
+        # with the reason, and the connection stays)
         ctl = RankClient(hub.address, tok["control"], role="control")
         assert ctl.recv().kind == wire.KIND_WELCOME
-        ctl.send(wire.KIND_CONTROL, {"command": "profile"})
+        ctl.send(wire.KIND_CONTROL, {"id": "x", "action": "profile", "ranks": [9]})
         answer = ctl.recv()
-        assert answer.payload["code"] == "unsupported" and not ctl.closed_by_hub(0.3)
+        assert answer.kind == wire.KIND_RESULT and answer.payload["state"] == "refused"
+        # (the rank above was closed for its control frame: no rank is left)
+        assert "no rank is connected" in answer.payload["error"]
+        assert not ctl.closed_by_hub(0.3)
         with HubClient(hub.address, hub.token, role="control") as c:  # the master too
             c.snapshot()
         # /metrics: the view token only, in the header only

@@ -67,6 +67,9 @@ class AnalysisConfig:
     slow_link_ratio: float = 0.5  # measured busbw below this share of the expected
     slow_link_min_bytes: float = 1e6  # only judge steps that all-reduce at least this
     slow_link_clear: float = 1.2  # active: slow_link_ratio times this
+    # slow_link, from a link probe: a link under this share of the median of the other
+    # links of its kind (between nodes, within a node) is slow
+    link_slow_fraction: float = 0.5
     # low_scaling_efficiency
     efficiency_min: float = 0.6  # compute / (compute + exposed comm) below this
     efficiency_clear: float = 1.1  # active: efficiency_min times this

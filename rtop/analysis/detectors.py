@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from collectors.nvml import THROTTLE_REASONS, decode_reasons
+from rtop.analysis import links as probe_links
 from rtop.analysis import wording
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.kinds import KINDS
 from rtop.analysis.window import Window, measured
-from rtop.run.snapshot import FindingDict, Severity
+from rtop.run.snapshot import FindingDict, ProbeLinks, Severity
 
 # How much the evidence lists (sizes, not thresholds: a finding's counts are kept whole)
 MAX_EVIDENCE_RANKS = 8  # ranks described one by one
@@ -82,6 +83,8 @@ class Context:
     cfg: AnalysisConfig
     active: dict[str, set[int]] = field(default_factory=dict)
     excluded: set[int] = field(default_factory=set)  # hung or lost: their figures are stale
+    #: the latest link probe of the run (``RunState.links``); None before one
+    links: ProbeLinks | None = None
 
     def factor(self, kind: str, clear: float) -> float:
         """1.0, or the clear factor while a finding of ``kind`` is active."""
@@ -350,14 +353,24 @@ def _true_comm(w: Window, ok: np.ndarray) -> tuple[float, float, float]:
 
 
 def slow_link(ctx: Context) -> Finding | None:
-    """Bus bandwidth far below what the fabric should give."""
+    """Bus bandwidth far below what the fabric should give; once a link probe has run,
+    the probe's verdict (the slow node, or the slow links) and the allreduce against
+    what it reached when the probe found every link healthy, not the nominal figure."""
     w, cfg = ctx.w, ctx.cfg
+    probe = ctx.links
+    if probe is not None:
+        found = probe_links.verdict(probe, cfg)
+        if found is not None:
+            ranks, evidence, impact = found
+            return Finding.of("slow_link", ranks, evidence, impact=impact)
     ok = ctx.judged() & (w.steps["comm_bytes"] >= cfg.slow_link_min_bytes)
     if w.world_size < 2 or ok.sum() < 2:
         return None
     cls = fabric_class(w, cfg)
-    expected = cfg.fabric_busbw.get(cls)
-    if expected is None:
+    # measured beats nominal: a healthy fabric slower than its class's figure is no
+    # slow link, and a link that slows after the probe still shows in the allreduce
+    expected = probe["busbw_Bps"] if probe is not None else cfg.fabric_busbw.get(cls)
+    if expected is None or not expected > 0:
         return None
     _, _, best = _true_comm(w, ok)
     k = ctx.factor("slow_link", cfg.slow_link_clear)
@@ -368,6 +381,11 @@ def slow_link(ctx: Context) -> Finding | None:
     ev = {"fabric": cls, "expected_busbw_Bps": _f(expected), "busbw_best_Bps": _f(best),
           "busbw_median_Bps": _f(med), "nodes": w.node[:MAX_EVIDENCE_LIST], "ranks": len(ranks),
           "comm_bytes": _f(_nanmedian(w.steps["comm_bytes"][ok])), "node_count": len(w.node)}
+    if probe is not None:
+        medians = probe_links.judge(probe, cfg).medians
+        ev.update(expected_from="probe", probe_t=_f(probe["t"]),
+                  probe_median_link_Bps=_f(medians[probe_links.INTER]
+                                           if len(w.node) > 1 else medians[probe_links.INTRA]))
     return Finding.of("slow_link", ranks, ev, impact=1 - best / expected)
 
 

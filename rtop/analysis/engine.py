@@ -70,7 +70,7 @@ def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] |
     w = run("window", take, state, cfg, now, default=None)
     if w is None or w.n == 0:
         return []
-    ctx = d.Context(w, cfg, active or {})
+    ctx = d.Context(w, cfg, active or {}, links=state.links)
     if overview is not None:
         cls = run("fabric_class", d.fabric_class, w, cfg, default="unknown")
         scaling = run("low_scaling_efficiency", d.low_scaling_efficiency, ctx, always=True,

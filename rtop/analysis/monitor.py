@@ -17,7 +17,16 @@ from typing import Final
 from collectors import wire
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.engine import Analyzer
-from rtop.run.snapshot import EpisodeDict, HubInfo, Overview, RankDetail, ReplayInfo, Snapshot
+from rtop.analysis.links import view as links_view
+from rtop.run.snapshot import (
+    EpisodeDict,
+    HubInfo,
+    LinksView,
+    Overview,
+    RankDetail,
+    ReplayInfo,
+    Snapshot,
+)
 from rtop.run.state import RankState, RunState
 
 #: Seconds of the hub's time between two evaluations of the diagnosis.
@@ -113,11 +122,20 @@ class Monitor:
             build_s=view["build_s"], findings=self._findings,
             analysis_s=self.analyzer.last_eval_s if self.analyzer is not None else None,
             overview=self.overview,
+            links=self._links(),
             hub=hub if hub is not None else HubInfo(address=None, counters={}, record=None),
         )
         if replay is not None:
             snap["replay"] = replay
         return snap
+
+    def _links(self) -> LinksView | None:
+        """The latest link probe with the diagnosis' verdict on each link."""
+        stored = self.state.links
+        if stored is None:
+            return None
+        return links_view(stored, self.analyzer.cfg if self.analyzer is not None
+                          else AnalysisConfig())
 
     def rank_detail(self, rank: int) -> RankDetail:
         """One rank of the current attempt in full (see ``RunState.rank_detail``)."""

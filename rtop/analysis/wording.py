@@ -191,10 +191,42 @@ def _gpu_throttled(ranks: Sequence[int], ev: Evidence) -> str:
             f"{fmt_num(r.get('sm_clock_max_mhz'), '.0f')} MHz, held down by {reasons}.")
 
 
+def _probed_link(ranks: Sequence[int], ev: Evidence) -> str:
+    """A link probe's verdict: a slow node, or slow links (``rtop.analysis.links``)."""
+    slowest, median = ev.get("slowest_Bps"), ev.get("median_Bps")
+    share = fmt_num(_ratio(slowest, median), ".0%")
+    kind = {"inter_node": " between nodes", "intra_node": " within nodes"}.get(
+        str(ev.get("link_kind")), "")
+    count = _count(ev, "link_count", "links")
+    nodes = ev.get("nodes") or []
+    if nodes:
+        through = ev.get("node_links")
+        of = f"{count} of its {through}" if isinstance(through, int) else f"{count} of its"
+        return (f"The link probe finds node {nodes[0]} slow: {of} measured links run "
+                f"under {fmt_num(ev.get('threshold'), '.0%')} of the median link{kind}, "
+                f"the slowest at {gb(slowest)} GB/s against {gb(median)} GB/s ({share}); "
+                f"{names(ranks).lower()} on it {_verb(ranks, 'paces', 'pace')} every ring "
+                f"{_verb(ranks, 'it is', 'they are')} in.")
+    links = ev.get("links") or []
+    first = links[0] if links else [NA, NA]
+    return (f"The link probe finds {count} slow link{'s' if count != 1 else ''}{kind}, "
+            f"not all through one node; the slowest, rank {first[0]} to rank {first[1]}, "
+            f"runs at {gb(slowest)} GB/s against {gb(median)} GB/s ({share}) for the "
+            "other links.")
+
+
 def _slow_link(ranks: Sequence[int], ev: Evidence) -> str:
+    if "slowest_Bps" in ev:
+        return _probed_link(ranks, ev)
     best, expected = ev.get("busbw_best_Bps"), ev.get("expected_busbw_Bps")
     nodes = _count(ev, "node_count", "nodes")
     where = f"between {nodes} nodes" if nodes > 1 else "within the node"
+    if ev.get("expected_from") == "probe":
+        return (f"The allreduce runs at {gb(best)} GB/s bus bandwidth {where}, "
+                f"{fmt_num(_ratio(best, expected), '.0%')} of the {gb(expected)} GB/s it "
+                "reached when the link probe found every link healthy (median link "
+                f"{gb(ev.get('probe_median_link_Bps'))} GB/s): a link has slowed since; "
+                "probe again to find it.")
     return (f"The allreduce runs at {gb(best)} GB/s bus bandwidth {where}, "
             f"{fmt_num(_ratio(best, expected), '.0%')} of what {ev.get('fabric') or NA} should "
             f"give ({gb(expected)} GB/s); a slow link slows every rank of the "

@@ -1,61 +1,257 @@
 """Prometheus exposition of a hub snapshot (``GET /metrics`` with the hub's view token:
-the one token a scraper may hold, since it can never act on the job)."""
+the one token a scraper may hold, since it can never act on the job).
+
+The text is written by ``prometheus_client`` itself: :class:`SnapshotCollector` turns
+one snapshot into metric families and :func:`prometheus_text` renders it on a registry
+of its own (never the global one: one process may hold several hubs). Every series
+carries the training job's id as ``job`` (see :class:`SnapshotCollector`) and, per
+rank, ``rank`` and ``node``; counters end in ``_total``. A figure that was not
+measured (None, NaN, infinite) is left out, never written as 0. Names come from the
+ranks, so they are cleaned and cut to :data:`LABEL_MAX` characters before
+``prometheus_client`` escapes them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from rtop.fmt import num, safe_text
 from rtop.run.snapshot import Snapshot
 
-#: (metric name, snapshot column, help) — one gauge per rank.
-GAUGES = (
-    ("rtop_step_seconds", "step_s", "Median iteration time over recent steps"),
-    ("rtop_data_wait_seconds", "data_wait_s", "Median time blocked in the data loader"),
-    ("rtop_compute_seconds", "compute_s", "Median compute time per step"),
-    ("rtop_comm_seconds", "comm_s", "Median allreduce time in flight per step"),
-    ("rtop_comm_exposed_seconds", "comm_exposed_s", "Median allreduce time not overlapped"),
-    ("rtop_busbw_bytes_per_second", "busbw_Bps", "Median allreduce bus bandwidth"),
-    ("rtop_gpu_utilization_percent", "gpu_util_pct", "GPU utilization (NVML)"),
-    ("rtop_gpu_memory_used_bytes", "gpu_mem_used_bytes", "GPU memory used (NVML)"),
-    ("rtop_gpu_power_watts", "gpu_power_w", "GPU power draw (NVML)"),
-    ("rtop_mem_peak_bytes", "mem_peak_bytes", "Peak memory of the training device"),
-    ("rtop_mem_capacity_bytes", "mem_capacity_bytes", "Capacity of the training device"),
-    ("rtop_last_step", "step", "Last step reported"),
-    ("rtop_dropped_records", "dropped", "Records the rank could not send"),
+#: The longest label value written (a name from a rank is cut, with "…", beyond it).
+LABEL_MAX = 128
+
+
+@dataclass(frozen=True)
+class Series:
+    """One metric family over a column of the snapshot's ranks (``RankColumns``)."""
+
+    name: str  # the exposed name, its unit last (a counter gets ``_total`` on output)
+    column: str
+    help: str
+    scale: float = 1.0  # to the unit the name says (MHz → hertz)
+    offset: float = 0.0  # added after scaling (the step counter from 0 → steps done)
+
+
+#: Per-rank gauges: medians over each rank's recent steps, latest samples otherwise.
+RANK_GAUGES = (
+    Series("rtop_step_seconds", "step_s", "Median iteration time over recent steps"),
+    Series("rtop_data_wait_seconds", "data_wait_s",
+           "Median time blocked in the data loader per step"),
+    Series("rtop_compute_seconds", "compute_s",
+           "Median compute time per step (outside collectives)"),
+    Series("rtop_gpu_seconds", "gpu_s", "Median GPU time of the step body (CUDA events)"),
+    Series("rtop_comm_seconds", "comm_s", "Median collective time in flight per step"),
+    Series("rtop_comm_exposed_seconds", "comm_exposed_s",
+           "Median collective time per step not overlapped with compute"),
+    Series("rtop_comm_bytes", "comm_bytes", "Median bytes moved by collectives per step"),
+    Series("rtop_busbw_bytes_per_second", "busbw_Bps",
+           "Median collective bus bandwidth (nccl-tests convention)"),
+    Series("rtop_step_samples", "samples", "Median samples per step"),
+    Series("rtop_gap_seconds", "gap_s",
+           "Median time between a step's end and the next iteration's start"),
+    Series("rtop_last_step", "step", "Last step number reported (from 0; -1 before one)"),
+    Series("rtop_last_seen_seconds", "last_seen_s", "Seconds since the rank's last frame"),
+    Series("rtop_clock_offset_seconds", "offset_s", "The rank's clock minus the hub's"),
+    Series("rtop_phase_seconds", "phase_s",
+           "How long the current phase had lasted at the last heartbeat"),
+    Series("rtop_gpu_utilization_percent", "gpu_util_pct", "GPU utilization (NVML)"),
+    Series("rtop_gpu_memory_utilization_percent", "gpu_mem_util_pct",
+           "GPU memory controller utilization (NVML)"),
+    Series("rtop_gpu_memory_used_bytes", "gpu_mem_used_bytes", "GPU memory used (NVML)"),
+    Series("rtop_gpu_memory_total_bytes", "gpu_mem_total_bytes", "GPU memory total (NVML)"),
+    Series("rtop_gpu_power_watts", "gpu_power_w", "GPU power draw (NVML)"),
+    Series("rtop_gpu_power_limit_watts", "gpu_power_limit_w", "GPU power limit (NVML)"),
+    Series("rtop_gpu_temperature_celsius", "gpu_temp_c", "GPU temperature (NVML)"),
+    Series("rtop_gpu_sm_clock_hertz", "gpu_sm_clock_mhz", "GPU SM clock (NVML)", 1e6),
+    Series("rtop_gpu_sm_clock_max_hertz", "gpu_sm_clock_max_mhz",
+           "GPU maximum SM clock (NVML)", 1e6),
+    Series("rtop_gpu_clock_event_reasons", "gpu_clock_event_reasons",
+           "NVML clock event (throttle) reasons, as NVML's bit mask"),
+    Series("rtop_gpu_pcie_tx_bytes_per_second", "gpu_pcie_tx_Bps", "PCIe transmit (NVML)"),
+    Series("rtop_gpu_pcie_rx_bytes_per_second", "gpu_pcie_rx_Bps", "PCIe receive (NVML)"),
+    Series("rtop_gpu_nvlink_tx_bytes_per_second", "gpu_nvlink_tx_Bps",
+           "NVLink transmit (NVML)"),
+    Series("rtop_gpu_nvlink_rx_bytes_per_second", "gpu_nvlink_rx_Bps",
+           "NVLink receive (NVML)"),
+    Series("rtop_host_process_cpu_percent", "host_proc_cpu_pct",
+           "CPU of the rank's process (100 = one core)"),
+    Series("rtop_host_loader_cpu_percent", "host_loader_cpu_pct",
+           "CPU of the rank's data-loader workers (100 = one core)"),
+    Series("rtop_host_loader_processes", "host_loader_procs", "Data-loader worker processes"),
+    Series("rtop_host_rss_bytes", "host_rss_bytes", "Resident memory of the rank's process"),
+    Series("rtop_host_memory_available_bytes", "host_sys_mem_avail_bytes",
+           "Host memory available"),
+    Series("rtop_host_memory_total_bytes", "host_sys_mem_total_bytes", "Host memory total"),
+    Series("rtop_host_cgroup_memory_limit_bytes", "host_cgroup_mem_limit_bytes",
+           "Memory limit of the rank's cgroup"),
+    Series("rtop_host_cpu_percent", "host_sys_cpu_pct", "Host CPU utilization"),
+    Series("rtop_host_load1", "host_load_avg_1m", "Host load average over 1 minute"),
+    Series("rtop_mem_used_bytes", "mem_used_bytes", "Memory allocated on the training device"),
+    Series("rtop_mem_reserved_bytes", "mem_reserved_bytes",
+           "Memory reserved by the allocator on the training device"),
+    Series("rtop_mem_peak_bytes", "mem_peak_bytes", "Peak memory of the training device"),
+    Series("rtop_mem_capacity_bytes", "mem_capacity_bytes", "Capacity of the training device"),
+    Series("rtop_mem_param_bytes", "mem_param_bytes", "Bytes of parameters"),
+    Series("rtop_mem_grad_bytes", "mem_grad_bytes", "Bytes of gradients"),
+    Series("rtop_mem_optim_bytes", "mem_optim_bytes", "Bytes of optimizer state"),
+    Series("rtop_mem_process_bytes", "mem_process_bytes",
+           "All the process holds on the GPU (NVML)"),
+    # rtop's own cost on the rank
+    Series("rtop_collector_cpu_ratio", "rtop_cpu",
+           "Share of one core the rank's rtop collector uses (CPU seconds per second)"),
 )
+
+#: Per-rank counters (``_total`` is added on output).
+RANK_COUNTERS = (
+    Series("rtop_steps", "step", "Steps the rank has completed (its step counter + 1)",
+           offset=1.0),
+    Series("rtop_dropped_records", "dropped",
+           "Records the rank's collector could not send (rtop's own cost)"),
+)
+
+#: The hub's own counters (``HubInfo.counters`` and what the hub adds), as
+#: ``rtop_hub_<name>_total``; a counter not listed here is exposed with a plain help.
+HUB_COUNTERS = {
+    "connections": "Connections accepted",
+    "refused": "Connections and scrapes refused for a wrong or missing token",
+    "bad_frames": "Frames that failed to decode or validate",
+    "floods": "Connections closed for sending too much",
+    "silent": "Connections closed for silence",
+    "snapshots_skipped": "Snapshots not sent to a slow viewer",
+    "snapshots_sent": "Snapshots sent to viewers",
+    "forbidden": "Frames refused because the role may not send them",
+    "unauthenticated_timeouts": "Connections closed before authenticating in time",
+    "busy": "Connections refused at the hub's limits",
+    "throttled": "Connections refused from an address that failed too often",
+    "http_timeouts": "HTTP requests not whole in time",
+    "actions": "Control actions run",
+    "action_errors": "Control actions that failed",
+}
 
 
 def _label(value: Any) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+    """A label value from a peer: control characters replaced, at most LABEL_MAX long
+    (``prometheus_client`` then escapes quotes, backslashes and newlines)."""
+    return safe_text(str(value), LABEL_MAX)
 
 
-def prometheus_text(snap: Snapshot) -> str:
-    """Prometheus text format (0.0.4) for the ranks of a snapshot."""
-    cols = snap["ranks"]
-    by_name = cast(dict[str, list[Any]], cols)  # the gauges name their columns
-    ranks = cols["rank"]
-    out: list[str] = []
-    for name, col, text in GAUGES:
-        values = by_name.get(col)
-        if values is None:
-            continue
-        out.append(f"# HELP {name} {text}")
-        out.append(f"# TYPE {name} gauge")
-        for i, rank in enumerate(ranks):
-            v = values[i]
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out.append(f'{name}{{rank="{rank}",node="{_label(cols["node"][i])}"}} {v}')
-    out.append("# HELP rtop_rank_up 1 if the rank is sending, 0 if lost or finished")
-    out.append("# TYPE rtop_rank_up gauge")
-    for i, rank in enumerate(ranks):
-        up = 1 if cols["status"][i] == "active" else 0
-        out.append(f'rtop_rank_up{{rank="{rank}",node="{_label(cols["node"][i])}"}} {up}')
-    findings = snap.get("findings") or []
-    out.append("# HELP rtop_findings Current findings by kind")
-    out.append("# TYPE rtop_findings gauge")
-    kinds: dict[str, int] = {}
-    for f in findings:
-        kinds[f.get("kind", "?")] = kinds.get(f.get("kind", "?"), 0) + 1
-    for kind, n in sorted(kinds.items()):
-        out.append(f'rtop_findings{{kind="{_label(kind)}"}} {n}')
-    return "\n".join(out) + "\n"
+def _name_part(key: str) -> str:
+    return "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in key)
+
+
+class SnapshotCollector(Collector):
+    """The metric families of one hub snapshot (``collect`` may run any number of
+    times; the snapshot is never changed).
+
+    Every series is labelled ``job`` with the job's id (the hub's name for it before a
+    rank says); with neither, the label is left out, so that a Prometheus with
+    ``honor_labels: true`` files the series under its scrape job instead.
+    """
+
+    def __init__(self, snap: Snapshot, hub_counters: Mapping[str, int] | None = None
+                 ) -> None:
+        self.snap = snap
+        self.hub_counters = dict(hub_counters or {})
+        run = snap["run"]
+        job = _label(run.get("job") or run.get("name") or "")
+        self._job_keys: tuple[str, ...] = ("job",) if job else ()
+        self._job: list[str] = [job] if job else []
+
+    def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
+                text: str, *keys: str) -> GaugeMetricFamily | CounterMetricFamily:
+        return kind(name, text, labels=(*self._job_keys, *keys))
+
+    def collect(self) -> Iterator[Metric]:
+        """Per-rank gauges and counters, rank liveness, findings, the hub's own cost."""
+        yield from self._ranks()
+        yield from self._findings()
+        yield from self._run()
+
+    def _ranks(self) -> Iterator[Metric]:
+        cols = cast(Mapping[str, list[Any]], self.snap["ranks"])
+        ranks = cols.get("rank") or []
+        nodes = cols.get("node") or []
+        labels = [[*self._job, str(r), _label(nodes[i] if i < len(nodes) else "")]
+                  for i, r in enumerate(ranks)]
+        for kind, table in ((GaugeMetricFamily, RANK_GAUGES),
+                            (CounterMetricFamily, RANK_COUNTERS)):
+            for s in table:
+                family = self._family(kind, s.name, s.help, "rank", "node")
+                values = cols.get(s.column) or []
+                for i, lab in enumerate(labels):
+                    v = num(values[i]) if i < len(values) else None
+                    if v is None:
+                        continue
+                    v = v * s.scale + s.offset
+                    if v >= 0 or kind is GaugeMetricFamily:  # a count is never below 0
+                        family.add_metric(lab, v)
+                if family.samples:  # no rank measured it: no family at all
+                    yield family
+        up = self._family(GaugeMetricFamily, "rtop_rank_up", "1 if the rank is sending, "
+                          "0 if it is lost, finished or failed", "rank", "node")
+        status = cols.get("status") or []
+        for i, lab in enumerate(labels):
+            up.add_metric(lab, 1.0 if i < len(status) and status[i] == "active" else 0.0)
+        yield up
+
+    def _findings(self) -> Iterator[Metric]:
+        findings = self.snap.get("findings") or []
+        by_kind: dict[tuple[str, str], int] = {}
+        for f in findings:
+            key = (_label(f.get("kind", "?")), _label(f.get("severity", "?")))
+            by_kind[key] = by_kind.get(key, 0) + max(1, len(f.get("ranks") or []))
+        each = self._family(GaugeMetricFamily, "rtop_finding", "Active finding by kind and "
+                            "severity: the number of ranks it names (1 for the job as a "
+                            "whole)", "kind", "severity")
+        for (kind, severity), n in sorted(by_kind.items()):
+            each.add_metric([*self._job, kind, severity], float(n))
+        if each.samples:
+            yield each
+        total = self._family(GaugeMetricFamily, "rtop_findings", "Active findings")
+        total.add_metric(self._job, float(len(findings)))
+        yield total
+
+    def _run(self) -> Iterator[Metric]:
+        snap, run = self.snap, self.snap["run"]
+        gauges = (
+            ("rtop_world_size", run.get("world_size"), "Ranks the job says it has"),
+            ("rtop_ranks", run.get("ranks_seen"), "Ranks of the current attempt seen"),
+            ("rtop_attempt", run.get("attempt"), "The current attempt (worker group), from 0"),
+            ("rtop_hub_uptime_seconds", run.get("uptime_s"), "Seconds the hub has run"),
+            ("rtop_hub_snapshot_build_seconds", snap.get("build_s"),
+             "Seconds the hub took to build the snapshot's columns (rtop's own cost)"),
+            ("rtop_hub_analysis_seconds", snap.get("analysis_s"),
+             "Seconds the hub's last diagnosis took (rtop's own cost)"),
+        )
+        counters: list[tuple[str, Any, str]] = [
+            ("rtop_hub_frames", run.get("frames"), "Frames the hub has taken in"),
+            ("rtop_hub_step_records", run.get("step_records"),
+             "Step records the hub has taken in")]
+        hub = snap.get("hub") or {}
+        merged = {**(hub.get("counters") or {}), **self.hub_counters}
+        counters += [(f"rtop_hub_{_name_part(key)}", value,
+                      HUB_COUNTERS.get(key, f"The hub's {_name_part(key)} counter"))
+                     for key, value in sorted(merged.items())]
+        for kind, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, value, text in rows:
+                v = num(value)
+                if v is not None:
+                    family = self._family(kind, name, text)
+                    family.add_metric(self._job, v)
+                    yield family
+
+
+def prometheus_text(snap: Snapshot, hub_counters: Mapping[str, int] | None = None) -> str:
+    """Prometheus text format (0.0.4) for a snapshot, written by ``prometheus_client``
+    on a registry of its own; ``hub_counters`` adds counters that the snapshot does not
+    carry (the hub's action counters), as ``rtop_hub_<name>_total``."""
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(snap, hub_counters))
+    return generate_latest(registry).decode()

@@ -47,6 +47,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import resource
 import secrets
@@ -54,16 +55,19 @@ import socket
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from collectors import auth, wire
 from rtop import __version__
+from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.monitor import Evaluation, Monitor
+from rtop.hub.control import Actions, default_profile_dir
 from rtop.hub.recorder import Recorder, default_record_path
 from rtop.run.snapshot import HubInfo, RankDetail, Snapshot
-from rtop.run.state import MAX_RANKS, ProtocolError, RankState, RunState
+from rtop.run.state import KIND_LINKS, MAX_RANKS, ProtocolError, RankState, RunState
 
 log = logging.getLogger("rtop.hub")
 
@@ -362,10 +366,13 @@ class Hub:
                      lost_after_s=self.cfg.lost_after_s,
                      max_ranks=self.cfg.max_ranks), diagnose=False)
         self.recorder: Recorder | None = None
+        #: actions a control peer asked of the ranks (profile, probe, stacks)
+        self.actions = Actions(self)
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._snap_cache: tuple[float, bytes] | None = None
+        self._metrics_cache: tuple[float, bytes] | None = None
         self._closed = asyncio.Event()
         self._closing: asyncio.Task[None] | None = None
         self._idle_since: float | None = None
@@ -432,6 +439,8 @@ class Hub:
         await asyncio.shield(self._closing)
 
     async def _close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.actions.close()
         if self._server is not None:
             self._server.close()
         for t in list(self._tasks):
@@ -570,6 +579,7 @@ class Hub:
                 self._ping(conn, now)
         self._peer_log.tick(mono)
         self._throttle.prune(mono)
+        self.actions.tick(mono)
         evaluation = self.monitor.advance(now)
         if evaluation is not None:
             self._report(evaluation)
@@ -703,6 +713,10 @@ class Hub:
 
     def _rank_frame(self, conn: _Conn, raw: bytes, frame: wire.Frame) -> None:
         now = time.time()
+        if frame.kind == wire.KIND_RESULT:  # an action's answer: not the run's record
+            if conn.rank is not None:
+                self.actions.result(conn.rank.rank, frame.payload)
+            return
         if frame.kind == wire.KIND_PONG:
             if conn.rank is not None:
                 self._pong(conn, conn.rank, frame.payload, now)
@@ -747,6 +761,13 @@ class Hub:
     def _lost(self, conn: _Conn) -> None:
         self._conns.discard(conn)
         self._release(conn)
+        try:
+            if conn.role == "control":
+                self.actions.peer_lost(conn)
+            elif conn.role == "rank" and conn.rank is not None:
+                self.actions.rank_lost(conn.rank.rank)
+        except Exception:
+            log.exception("rtop hub: ending the actions of a closed connection failed")
         rs = conn.rank
         if conn.role != "rank" or rs is None or conn.clean or self._closed.is_set():
             return
@@ -815,8 +836,79 @@ class Hub:
             else:
                 self._offer(conn, self._snapshot_frame())
         elif frame.kind == wire.KIND_CONTROL:  # a control peer's only (see _frame)
-            conn.send(wire.KIND_ERROR, {"code": "unsupported",
-                                        "message": "this hub has no control actions yet"})
+            self.actions.request(conn, p)
+
+    def _metrics_text(self) -> bytes:
+        """The Prometheus exposition of the current snapshot, rebuilt at most once per
+        :data:`METRICS_CACHE_S` (several scrapers, or a fast one, cost one build)."""
+        from rtop.hub.metrics import prometheus_text
+
+        now = time.monotonic()
+        cached = self._metrics_cache
+        if cached is not None and now - cached[0] < METRICS_CACHE_S:
+            return cached[1]
+        body = prometheus_text(self.snapshot(), hub_counters={
+            **self.counters, **self.actions.counters}).encode()
+        self._metrics_cache = (now, body)
+        return body
+
+    # ---- what actions need (rtop.hub.control) ---------------------------------------
+
+    def rank_connections(self) -> dict[int, _Conn]:
+        """The connections of the current attempt's ranks that are up, by rank."""
+        att = self.state.current
+        out: dict[int, _Conn] = {}
+        for conn in self._conns:
+            rs = conn.rank
+            if conn.role == "rank" and rs is not None and not conn.closing \
+                    and att is not None and att.ranks.get(rs.rank) is rs:
+                out[rs.rank] = conn
+        return dict(sorted(out.items()))
+
+    def last_step(self, rank: int) -> int:
+        """The last step a rank of the current attempt reported (-1: none yet)."""
+        rs = self.state.rank_state(rank)
+        return rs.last_step if rs is not None else -1
+
+    def node_of(self, rank: int) -> str:
+        """The node a rank of the current attempt runs on."""
+        rs = self.state.rank_state(rank)
+        return rs.node if rs is not None else "?"
+
+    def world_size(self) -> int | None:
+        """The current attempt's world size."""
+        att = self.state.current
+        return att.world_size if att is not None else None
+
+    def step_seconds(self, ranks: Iterable[int]) -> float | None:
+        """The slowest recent step time (median of its window) among ``ranks``."""
+        cols = self.snapshot()["ranks"]
+        wanted = set(ranks)
+        times = [t for r, t in zip(cols.get("rank", []), cols.get("step_s", []), strict=False)
+                 if r in wanted and isinstance(t, float) and math.isfinite(t) and t > 0]
+        return max(times) if times else None
+
+    def profile_dir(self) -> str:
+        """Where a profile's traces go by default (beside the recording)."""
+        return default_profile_dir(self.recorder.path if self.recorder else None,
+                                   self.cfg.job)
+
+    def probe_done(self, ranks: list[int], nodes: list[str],
+                   answers: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """A finished probe's answers: the link matrix and its findings, kept in the
+        run's state (the fabric view, the slow_link detector) and recorded."""
+        from rtop.analysis.links import assemble, slow_links
+
+        result = assemble(ranks, nodes, answers)
+        analyzer = self.monitor.analyzer
+        result["findings"] = slow_links(result, analyzer.cfg if analyzer is not None
+                                        else AnalysisConfig())
+        now = time.time()
+        self.state.set_links(result, now)
+        if self.recorder is not None:
+            self.recorder.frame(KIND_LINKS, result, now)
+        self._snap_cache = None
+        return result
 
     def rank_detail(self, rank: int) -> RankDetail:
         """One rank's full window: step and sample histories, stack, events, meta."""
@@ -908,13 +1000,15 @@ class Hub:
         elif path != "/metrics":
             t.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
         else:
-            from rtop.hub.metrics import prometheus_text
-
-            body = prometheus_text(self.snapshot()).encode()
-            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+            body = self._metrics_text()
+            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; "
+                    b"charset=utf-8\r\n"
                     + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                     + body)
         conn.close()
+
+
+METRICS_CACHE_S = 1.0  # one exposition serves every scrape within this (0.3 s at 1,024 ranks)
 
 
 def _raise_fd_limit() -> None:

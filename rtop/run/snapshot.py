@@ -178,6 +178,29 @@ class Overview(TypedDict, total=False):
     scaling: Scaling | None
 
 
+class ProbeLinks(TypedDict):
+    """The latest link probe of the current attempt, as the run state keeps it
+    (``RunState.set_links``): the measured links only, so that a 1,024-rank probe's
+    12,000 links travel instead of its 1,048,576 cells."""
+
+    t: float  # hub time the probe's result came in
+    ranks: list[int]  # grouped by node, then by rank
+    nodes: list[str]  # the node of each of ``ranks``
+    links: list[list[float]]  # [i, j, Bps], i < j indexing ``ranks``: the slower direction
+    busbw_Bps: Num  # the allreduce's bus bandwidth (best rank, recent median) just then
+    seconds: Num  # how long the probe took (its slowest rank)
+    nbytes: Num  # bytes per timed transfer
+    errors: list[str]  # ranks that could not take part, and why
+
+
+class LinksView(ProbeLinks):
+    """A link probe as a viewer gets it: with the diagnosis' verdict on each link."""
+
+    slow: list[list[int]]  # [i, j] of the links judged slow (``link_slow_fraction``)
+    #: median link between nodes and within nodes; each link is judged against its own
+    medians_Bps: dict[str, Num]  # {"inter_node": ..., "intra_node": ...}
+
+
 class HubInfo(TypedDict):
     """Where a snapshot came from: the live hub's address and counters, or a recording."""
 
@@ -208,6 +231,7 @@ class Snapshot(TypedDict):
     findings: list[EpisodeDict]  # active findings, worst first, since when
     analysis_s: float | None  # seconds the last diagnosis took; None: no diagnosis
     overview: Overview
+    links: LinksView | None  # the latest link probe (``rtop probe``); None before one
     hub: HubInfo
     replay: NotRequired[ReplayInfo]
 

@@ -54,7 +54,14 @@ from collectors.schema import (
 )
 from rtop.fmt import safe_text
 from rtop.run.ring import FIRST_BLOCK, Rings, nanmedian_rows
-from rtop.run.snapshot import NodeColumns, RankColumns, RankDetail, RunInfo, Status
+from rtop.run.snapshot import (
+    NodeColumns,
+    ProbeLinks,
+    RankColumns,
+    RankDetail,
+    RunInfo,
+    Status,
+)
 
 #: Step fields kept per rank in the rolling window.
 STEP_HISTORY = ("step", "t_wall", "step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
@@ -80,6 +87,10 @@ _MEM_HIST = [_MEM[k] for k in ("used_bytes", "peak_bytes")]
 LATEST = tuple([f"gpu_{f}" for f in GPU_FIELDS[1:]] + [f"host_{f}" for f in HOST_FIELDS[1:]]
                + [f"mem_{f}" for f in MEM_FIELDS[2:]] + ["phase_s"])
 _NAN = float("nan")
+#: A frame the hub writes (never a rank: the hub refuses it from one) when a link probe
+#: has finished: its result, ``rtop.analysis.links.assemble``'s shape
+#: (``{"ranks", "nodes", "matrix_Bps", ...}``), so a replay shows the probe too.
+KIND_LINKS: Final = "links"
 #: A rank is warm after this many steps (see ``RankState.warm_wall``) ...
 WARMUP_STEPS = 20
 #: ... or, for slow steps, after at least 3 steps and this many seconds.
@@ -404,6 +415,8 @@ class RunState:
         self.frames = 0
         self.step_records = 0
         self.bad_frames = 0
+        self._links: ProbeLinks | None = None
+        self._links_attempt: int | None = None
 
     # ---- attempts, ranks, slots -----------------------------------------------------
 
@@ -555,6 +568,10 @@ class RunState:
             rs = None
             if kind == wire.KIND_RUN:
                 self.run_info = clean_value("run", dict(p))
+            elif kind == KIND_LINKS:
+                if peer is not None:
+                    raise ProtocolError("a rank may not send a link probe's result")
+                self.set_links(p, t_hub)
             # clock frames and unknown kinds only move time forward
         return rs
 
@@ -741,6 +758,81 @@ class RunState:
                 newly.append(rs)
         return newly
 
+    # ---- the link probe -----------------------------------------------------------
+
+    def set_links(self, result: dict[str, Any], t: float) -> None:
+        """Keep a finished link probe's result (``rtop.analysis.links.assemble``'s
+        ``{"ranks", "nodes", "matrix_Bps", "seconds", "nbytes", "errors"}``, from the
+        hub or a recording), as of hub time ``t``, in place of the previous one; with it
+        the allreduce's bus bandwidth just then (the best rank's recent median), which
+        the ``slow_link`` detector judges the allreduce against from then on.
+
+        Checked like any frame (:class:`ProtocolError`, nothing kept): ranks distinct
+        integers in range, at most ``max_ranks``; a node name (made safe) per rank; a
+        square matrix of numbers or None, as wide as the ranks (a negative or
+        non-finite figure is "not measured"). Only measured links are kept, as
+        ``[i, j, Bps]`` with ``i < j`` and the slower of the two directions.
+        """
+        if not isinstance(result, dict):
+            raise ProtocolError(f"a link probe's result must be a map, got {_what(result)}")
+        ranks, nodes, matrix = result.get("ranks"), result.get("nodes"), \
+            result.get("matrix_Bps")
+        if not isinstance(ranks, list) or not all(
+                type(r) is int and 0 <= r < MAX_WORLD for r in ranks):
+            raise ProtocolError("links: 'ranks' must be a list of rank numbers")
+        n = len(ranks)
+        if n > self.max_ranks or len(set(ranks)) != n:
+            raise ProtocolError(f"links: {n} ranks, distinct and at most {self.max_ranks}")
+        if not isinstance(nodes, list) or len(nodes) != n:
+            raise ProtocolError("links: 'nodes' must name the node of each rank")
+        names = [_text("links: a node", x, MAX_NAME) for x in nodes]
+        if not isinstance(matrix, list) or len(matrix) != n:
+            raise ProtocolError(f"links: 'matrix_Bps' must have {n} rows")
+        m = np.full((n, n), np.nan)
+        for i, row in enumerate(matrix):
+            if not isinstance(row, list) or len(row) != n:
+                raise ProtocolError(f"links: 'matrix_Bps' row {i} must have {n} values")
+            if not all(v is None or type(v) in (int, float) for v in row):
+                raise ProtocolError(f"links: 'matrix_Bps' row {i} holds a value that is "
+                                    "not a number")
+            m[i] = [_NAN if v is None else v for v in row]
+        with np.errstate(invalid="ignore"):
+            m[~np.isfinite(m) | (m < 0) | (m > _BIG)] = np.nan
+        both = np.fmin(m, m.T)  # the slower direction where both were measured
+        iu, ju = np.triu_indices(n, 1)
+        vals = both[iu, ju]
+        keep = ~np.isnan(vals)
+        links = [[int(i), int(j), float(v)] for i, j, v in
+                 zip(iu[keep].tolist(), ju[keep].tolist(), vals[keep].tolist(), strict=True)]
+        errors = result.get("errors")
+        err_list = [safe_text(_error_line(e), MAX_NOTE) for e in errors[:MAX_ENTRIES]] \
+            if isinstance(errors, list) else []
+        self._links = ProbeLinks(
+            t=float(t), ranks=list(ranks), nodes=names, links=links,
+            busbw_Bps=self._busbw_now(),
+            seconds=_number("links: 'seconds'", result.get("seconds")),
+            nbytes=_number("links: 'nbytes'", result.get("nbytes")),
+            errors=err_list)
+        self._links_attempt = self.current.number if self.current else None
+
+    @property
+    def links(self) -> ProbeLinks | None:
+        """The latest link probe, if it was of the current attempt (else None: a new
+        worker group is new ranks, perhaps on other nodes)."""
+        cur = self.current
+        if self._links is None or (cur.number if cur else None) != self._links_attempt:
+            return None
+        return self._links
+
+    def _busbw_now(self) -> float | None:
+        """The allreduce's bus bandwidth now: the best rank's recent median."""
+        ranks = [r for r in self.active_ranks() if r.status == "active"]
+        if not ranks:
+            return None
+        med, _ = self.window(ranks, self.recent_steps)
+        col = med[:, self.steps.index["busbw_Bps"]]
+        return None if np.isnan(col).all() else float(np.nanmax(col))
+
     # ---- views ------------------------------------------------------------------------
 
     def window(self, ranks: list[RankState], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -847,6 +939,13 @@ class RunState:
     def nbytes(self) -> int:
         """Bytes held in the windows."""
         return self.steps.nbytes() + self.samples.nbytes() + int(self.latest.nbytes)
+
+
+def _error_line(e: Any) -> str:
+    """An entry of a probe's ``errors`` as one line: ``{"rank", "error"}`` or text."""
+    if isinstance(e, dict):
+        return f"rank {e.get('rank')}: {e.get('error')}"
+    return str(e)
 
 
 def column(a: np.ndarray) -> list[float | None]:

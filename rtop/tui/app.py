@@ -20,14 +20,14 @@ from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 from textual.screen import Screen
 
-from rtop.fmt import safe_text
+from rtop.fmt import fmt_ranks, safe_text
 from rtop.run.snapshot import Scaling, Snapshot
 from rtop.tui.detail import RankScreen
 from rtop.tui.messages import DetailReceived, SnapshotReceived, SourceStatus
 from rtop.tui.overview import OverviewScreen
 from rtop.tui.protocols import RankDetailView, SnapshotView
 from rtop.tui.ranks import RanksView
-from rtop.tui.source import ReplaySource, Source
+from rtop.tui.source import LiveSource, ReplaySource, Source
 from rtop.tui.views import FabricScreen, HelpScreen, ScalingScreen
 
 
@@ -166,6 +166,65 @@ class RtopApp(App[int]):
     def action_scaling(self) -> None:
         """Efficiency and the what-if."""
         self._push_view(ScalingScreen())
+
+    # ---- acting on the job: profile, probe, stacks ----------------------------------------
+
+    def action_act(self, action: str) -> None:
+        """Profile the chosen ranks (``p``), probe every link (``b``) or show every
+        rank's stacks (``k``) of a live job; the result opens in its own screen."""
+        if not isinstance(self.source, LiveSource):
+            self.notify(f"{action}: a recording cannot be acted on; attach to a running "
+                        f"job (`rtop attach`)", severity="warning", timeout=4)
+            return
+        ranks = self.overview.chosen_ranks() if action == "profile" else None
+        args: dict[str, Any] = {"steps": 5} if action == "profile" else {}
+        who = f"ranks {fmt_ranks(ranks)}" if ranks else "every rank"
+        what = {"profile": "capturing 5 steps with torch.profiler on",
+                "probe": "measuring every link between the ranks (the job pauses) on",
+                "stacks": "asking for the stacks of"}[action]
+        self.notify(f"{what} {who} ...", timeout=4, markup=False)
+        self._act(action, ranks, args)
+
+    @work(thread=True, exclusive=False, name="act")
+    def _act(self, action: str, ranks: list[int] | None, args: dict[str, Any]) -> None:
+        from rtop.client import HubError
+
+        assert isinstance(self.source, LiveSource)
+        try:
+            out = self.source.act(action, ranks, args)
+        except (HubError, OSError) as exc:
+            self.call_from_thread(self.notify, f"{action}: {exc}", severity="error",
+                                  timeout=8, markup=False)
+            return
+        self.call_from_thread(self.show_action, action, out)
+
+    def show_action(self, action: str, out: dict[str, Any]) -> None:
+        """Show an action's answer from the hub in its screen."""
+        from rtop.actions import action_result
+
+        result = action_result(out)
+        problems = len(result.get("missing") or []) + len(result.get("errors") or {})
+        if result.get("cancelled"):
+            self.notify(f"{action}: {result['cancelled']}", severity="error", timeout=8,
+                        markup=False)
+        elif problems:
+            self.notify(f"{action}: {problems} rank(s) did not answer; see the result",
+                        severity="warning", timeout=6)
+        if action == "profile":
+            from rtop.tui.profile_view import ProfileScreen
+
+            self.push_screen(ProfileScreen(result))
+        elif action == "stacks":
+            from rtop.tui.stacks_view import StacksScreen
+
+            self.push_screen(StacksScreen(result))
+        elif not result.get("cancelled"):
+            findings = result.get("findings") or []
+            self.notify("; ".join(safe_text(str(f.get("summary"))) for f in findings)
+                        if findings else "probe: every link is healthy",
+                        severity="warning" if findings else "information", timeout=8,
+                        markup=False)
+            self._push_view(FabricScreen())
 
     # ---- replay -------------------------------------------------------------------------
 

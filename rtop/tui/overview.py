@@ -8,11 +8,13 @@ and it posts what only the app can do (open a rank, go to a time) as messages.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import ClassVar
 
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
@@ -47,6 +49,9 @@ class OverviewScreen(Screen[None]):
         Binding("slash", "filter", "filter"),
         Binding("f", "fabric", "fabric"),
         Binding("e", "scaling", "scaling"),
+        Binding("p", "act('profile')", "profile"),
+        Binding("b", "act('probe')", "probe links"),
+        Binding("k", "act('stacks')", "stacks"),
         Binding("escape", "clear", "clear", show=False),
         Binding("colon", "goto", "go to", show=False),
     ]
@@ -246,6 +251,22 @@ class OverviewScreen(Screen[None]):
     async def action_scaling(self) -> None:
         """Open the scaling view (the app pushes it)."""
         await self.app.run_action("scaling")
+
+    def chosen_ranks(self) -> list[int] | None:
+        """The ranks an action is for: those a finding highlights, else the rank under
+        the cursor, else None (every rank)."""
+        if self.highlight:
+            return sorted(self.highlight)
+        with contextlib.suppress(NoMatches):
+            row = self.query_one(RanksView).current
+            rank = getattr(row, "rank", None)
+            if isinstance(rank, int):
+                return [rank]
+        return None
+
+    async def action_act(self, action: str) -> None:
+        """Profile, probe or stacks (the app runs it)."""
+        await self.app.run_action(f"act({action!r})")
 
     async def action_goto(self) -> None:
         """Open the go-to box, if the app's source can seek."""

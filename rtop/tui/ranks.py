@@ -78,8 +78,8 @@ class RanksView(ScrollView, can_focus=True):
     """The ranks (and folded nodes), virtualized; a cursor picks one."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("up,k", "cursor(-1)", "up", show=False),
-        Binding("down,j", "cursor(1)", "down", show=False),
+        Binding("up", "cursor(-1)", "up", show=False),
+        Binding("down", "cursor(1)", "down", show=False),
         Binding("pageup", "cursor(-20)", "page up", show=False),
         Binding("pagedown", "cursor(20)", "page down", show=False),
         Binding("home", "cursor(-1000000)", "first", show=False),

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from textual.message import Message
 
@@ -59,6 +59,15 @@ class LiveSource(Source):
         super().__init__()
         self.address, self.token, self.rate_hz = address, token, rate_hz
         self.title = address
+
+    def act(self, action: str, ranks: list[int] | None = None,
+            args: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Ask the hub for an action (profile, probe, stacks) over a connection of its
+        own as a control peer, and wait for the result (raises ``HubError``)."""
+        from rtop.client import HubClient
+
+        with HubClient(self.address, self.token, timeout=10.0, role="control") as client:
+            return client.act(action, ranks=ranks, args=args)
 
     def run(self, post: Post, stop: threading.Event) -> None:
         """Poll the hub until ``stop``; say so when it is unreachable, and retry."""

@@ -7,6 +7,7 @@ table parses a string cell as markup, and a node named ``[/]`` or
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from rich.console import Group, RenderableType
@@ -18,8 +19,18 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Static
 
-from rtop.fmt import NA, fmt_bytes, fmt_ms, fmt_pct, fmt_rate, num, safe_text
-from rtop.run.snapshot import Snapshot
+from rtop.fmt import (
+    NA,
+    fmt_bytes,
+    fmt_duration,
+    fmt_ms,
+    fmt_num,
+    fmt_pct,
+    fmt_rate,
+    num,
+    safe_text,
+)
+from rtop.run.snapshot import LinksView, Snapshot
 from rtop.tui.model import rank_rows
 
 
@@ -73,9 +84,129 @@ class FabricScreen(Screen[None]):
         for r in rows[:32]:
             rt.add_row(str(r.rank), Text(r.node), fmt_rate(r.busbw), ratio_bar(r.busbw, expected),
                        fmt_ms(r.comm_s), fmt_ms(r.exposed_s))
-        note = Text("\nPairwise probe matrix: not measured in this run "
-                    "(the on-demand link probe fills it).", "dim")
+        probe = snap.get("links")
+        note = links_heatmap(probe, snap["t_hub"]) if probe else Text(
+            "\nLink probe: no probe yet: press b to measure every link between ranks.", "dim")
         self.query_one("#fabric", Static).update(_group(out, t, rt, note))
+
+
+#: The heatmap's bands: a link's share of the median link of its kind (between nodes,
+#: within a node) -> glyph and colour, so that it reads without colour too.
+HEAT_BANDS: tuple[tuple[float, str, str], ...] = (
+    (0.9, "█", "green"), (0.7, "▓", "chartreuse3"), (0.5, "▒", "yellow"), (0.0, "░", "red"))
+HEAT_SLOW = ("×", "bold red")  # judged slow by the diagnosis (link_slow_fraction)
+HEAT_NONE = ("·", "dim")  # not measured
+#: Ranks drawn one by one up to this; beyond, nodes (a cell: their slowest link).
+HEAT_MAX_RANKS = 64
+#: Nodes drawn at most (the ones with the slowest links, in their order).
+HEAT_MAX_NODES = 64
+HEAT_LISTED = 8  # slowest links listed under the heatmap
+
+
+def _heat(bps: float | None, median: float | None, slow: bool) -> tuple[str, str]:
+    if slow:
+        return HEAT_SLOW
+    if bps is None or not median:
+        return HEAT_NONE
+    share = bps / median
+    return next((g, c) for lo, g, c in HEAT_BANDS if share >= lo)
+
+
+def links_heatmap(probe: LinksView, t_hub: float) -> RenderableType:
+    """The latest link probe as a heatmap grouped by node (one cell per pair of ranks,
+    or per pair of nodes beyond :data:`HEAT_MAX_RANKS` ranks), a legend and its
+    slowest links. Node names are drawn as text."""
+    ranks, nodes = probe["ranks"], [safe_text(x, 24) for x in probe["nodes"]]
+    medians = probe["medians_Bps"]
+    slow = {(a, b) for a, b in probe["slow"]}
+    cell: dict[tuple[int, int], float] = {}
+    for i, j, v in probe["links"]:
+        cell[(int(i), int(j))] = float(v)
+
+    def median_of(i: int, j: int) -> float | None:
+        return num(medians.get("inter_node" if nodes[i] != nodes[j] else "intra_node"))
+
+    head = Text("\nLink probe", "bold")
+    n_nodes = len(dict.fromkeys(nodes))
+    head.append(f" {fmt_duration(max(0.0, t_hub - probe['t']))} ago: {len(ranks)} ranks on "
+                f"{n_nodes} node{'s' if n_nodes != 1 else ''}, {len(cell)} links measured, "
+                f"{fmt_bytes(probe['nbytes'])} per transfer, took "
+                f"{fmt_num(probe['seconds'], '.2f')} s; median link between nodes "
+                f"{fmt_rate(medians.get('inter_node'))}, within a node "
+                f"{fmt_rate(medians.get('intra_node'))}\n")
+    grid = Text()
+    if len(ranks) <= HEAT_MAX_RANKS:
+        label = max([4] + [len(x) for x in nodes])
+        width = max(len(str(r)) for r in ranks) if ranks else 1
+        for i, r in enumerate(ranks):
+            first = i == 0 or nodes[i] != nodes[i - 1]
+            grid.append(f"{nodes[i] if first else '':<{label}} {r:>{width}} ",
+                        "bold" if first else "")
+            for j in range(len(ranks)):
+                if j and nodes[j] != nodes[j - 1]:
+                    grid.append(" ")
+                if i == j:
+                    grid.append(" ")
+                    continue
+                key = (min(i, j), max(i, j))
+                grid.append(*_heat(cell.get(key), median_of(i, j), key in slow))
+            grid.append("\n")
+    else:
+        grid.append(_node_grid(ranks, nodes, cell, slow, median_of))
+    legend = Text("rows and columns: the ranks in the order shown; each cell against the "
+                  "median link of its kind: ")
+    for lo, g, c in HEAT_BANDS:
+        legend.append(g, c)
+        legend.append(f" ≥{lo:.0%}  " if lo else " under 50%  ")
+    legend.append(HEAT_SLOW[0], HEAT_SLOW[1])
+    legend.append(" slow  ")
+    legend.append(HEAT_NONE[0], HEAT_NONE[1])
+    legend.append(" not measured\n")
+    worst = sorted(cell.items(), key=lambda kv: kv[1] / (median_of(*kv[0]) or kv[1]))
+    lt = Table(title="slowest links", box=None, title_justify="left")
+    for c in ("rank", "node", "rank ", "node ", "bandwidth", "of median"):
+        lt.add_column(c, justify="left" if c.startswith("node") else "right")
+    for (i, j), v in worst[:HEAT_LISTED]:
+        med = median_of(i, j)
+        share = fmt_pct(v / med, 100) if med else NA
+        lt.add_row(str(ranks[i]), Text(nodes[i]), str(ranks[j]), Text(nodes[j]), fmt_rate(v),
+                   Text(share + (" slow" if (i, j) in slow else ""),
+                        "bold red" if (i, j) in slow else ""))
+    errors = Text("".join(f"{safe_text(e, 200)}\n" for e in probe["errors"][:8]), "yellow")
+    return _group(head, grid, legend, lt, errors)
+
+
+def _node_grid(ranks: list[int], nodes: list[str], cell: dict[tuple[int, int], float],
+               slow: set[tuple[int, int]], median_of: Callable[[int, int], float | None]
+               ) -> Text:
+    """Nodes against nodes: a cell is the slowest measured link between them (on the
+    diagonal, within the node)."""
+    names = list(dict.fromkeys(nodes))
+    index = {x: k for k, x in enumerate(names)}
+    worst: dict[tuple[int, int], tuple[float, float, bool]] = {}  # share, Bps, any slow
+    for (i, j), v in cell.items():
+        a, b = sorted((index[nodes[i]], index[nodes[j]]))
+        med = median_of(i, j)
+        share = v / med if med else 1.0
+        was = worst.get((a, b), (share, v, False))
+        low = (share, v) if share <= was[0] else (was[0], was[1])
+        worst[(a, b)] = (*low, was[2] or (i, j) in slow)
+    lowest = {k: 1.0 for k in range(len(names))}
+    for (a, b), (share, _, _) in worst.items():
+        lowest[a], lowest[b] = min(lowest[a], share), min(lowest[b], share)
+    shown = sorted(sorted(lowest, key=lambda k: lowest[k])[:HEAT_MAX_NODES])
+    label = max([4] + [len(names[k]) for k in shown])
+    out = Text(f"{len(shown)} of {len(names)} nodes (those with the slowest links); a cell "
+               "is the slowest link between two nodes, the diagonal within the node\n", "dim")
+    for a in shown:
+        out.append(f"{names[a]:<{label}} ")
+        for b in shown:
+            got = worst.get((min(a, b), max(a, b)))
+            g, c = HEAT_NONE if got is None else HEAT_SLOW if got[2] else next(
+                (g, c) for lo, g, c in HEAT_BANDS if got[0] >= lo)
+            out.append(g, c)
+        out.append("\n")
+    return out
 
 
 class ScalingScreen(Screen[None]):
@@ -153,7 +284,14 @@ class HelpScreen(ModalScreen[None]):
         ("g", "group by node; enter folds or unfolds a node"),
         ("/", "filter: ranks (3, 0-7), a badge (starved), a status (lost), a node name"),
         ("f", "fabric view"), ("e", "scaling efficiency view"),
+        ("Live job", ""),
+        ("p", "profile: torch.profiler over 5 steps on the highlighted ranks, else the "
+              "rank under the cursor (these three need the control token)"),
+        ("b", "probe: measure every link between the ranks (the job pauses); the "
+              "heatmap is in the fabric view"),
+        ("k", "stacks: every rank's Python stacks, identical ones grouped"),
         ("Rank detail", ""), ("← → [ ]", "previous / next rank"),
+        ("Stacks", ""), ("↑ ↓", "choose a group of ranks"), ("a", "show rtop's own threads"),
         ("Replay", ""),
         ("space", "pause / play"), ("+ -", "faster / slower (¼× to 64×)"),
         ("← →", "back / forward 10 s"), ("shift+← shift+→", "back / forward 60 s"),

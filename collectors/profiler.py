@@ -1,0 +1,449 @@
+"""On-demand ``torch.profiler`` capture over a few training steps (``rtop profile``).
+
+:class:`ProfileCapture` is a training-thread action (see
+:class:`collectors.control.TrainingAction`): the rank's training thread calls
+:meth:`~ProfileCapture.at_boundary` at each step boundary from the step the hub chose.
+The first call starts ``torch.profiler.profile`` (CPU activity, plus CUDA where the job
+uses a GPU); after ``steps`` more boundaries it stops, the trace is written by
+``torch.profiler.tensorboard_trace_handler`` (so ``tensorboard --logdir DIR`` with
+torch-tb-profiler, HTA's ``TraceAnalysis`` and Perfetto open it), and ``on_done`` gets
+one small answer::
+
+    {"rank": 0, "steps": [10, 14], "trace": "/abs/DIR/rank0.<ns>.pt.trace.json",
+     "timeline": "cpu",                       # or "gpu": which timeline the split uses
+     "top_ops": [{"name": "aten::addmm", "self_s": 0.0012, "calls": 15}, ...],
+     "wall_s": ..., "compute_s": ..., "comm_s": ..., "overlap_s": ..., "idle_s": ...}
+
+or ``{"rank": 0, "error": "..."}``. ``on_done`` is called exactly once.
+
+**How the time is split** (all from the profiler's own events, over the captured steps:
+from the start of the first ``ProfilerStep#N`` to the end of the last; intervals are
+clipped to that window):
+
+* ``comm_s``: wall-clock time during which at least one collective was in flight, the
+  union of the collectives' intervals (as the step records' ``comm_s``). On CPU these
+  are the backend's own records, which span a collective from its launch to its
+  completion on the backend's threads (``gloo:all_reduce``, ``nccl:*``), and the c10d
+  operators that launch or wait on one (``c10d::allreduce_``,
+  ``c10d_functional::wait_tensor``, ``record_param_comms``); see :func:`is_comm`.
+* ``compute_s``: the union of every other operator's interval (``cpu_op`` events on any
+  thread; user annotations such as ``ProfilerStep#N`` or ``Optimizer.step`` are not
+  operators), less the time its own thread spent inside a collective operator nested in
+  it (DDP launches its allreduce from inside autograd's ``AccumulateGrad``). Compute on
+  one thread while a collective is in flight on another (backward overlapping DDP's
+  allreduce on gloo's threads) counts here too: ``overlap_s`` is that shared time.
+* ``idle_s``: the rest of the window, when no operator ran and no collective was in
+  flight (Python between operators, waiting for data, host-side waits outside any
+  operator). So ``compute_s + comm_s - overlap_s + idle_s == wall_s``.
+* With a GPU (``timeline: "gpu"``) the same split is made over the GPU's activity
+  instead, as HTA does: ``comm`` is the NCCL kernels (``nccl*``), ``compute`` every
+  other kernel, memcpy and memset, ``idle`` the time the GPU ran none of them.
+
+``top_ops`` ranks operators by self time: self CUDA time on the GPU timeline, else self
+CPU time (time in the operator, not in the operators it called).
+
+**Never disturbs the job or a user's profiler.** Every failure (a profiler already
+running in this process, an unwritable directory, a full disk, a bug) becomes an answer
+``{"error": ...}``; nothing raises into the job and a profiler that rtop started is
+stopped. If any profiler is active anywhere in the process when the capture should
+start, the capture is refused: torch keeps one profiler per process, and a second start
+(from another thread) silently takes the user's session away. Limits: a user's
+``torch.profiler.profile`` with a schedule still in its *wait* phase is not yet active
+as far as torch knows, and if its schedule turns it on during rtop's capture, torch
+refuses *that* start; and a profiler the user starts during rtop's capture is refused
+by torch in the same way.
+
+**Threads.** ``torch.profiler`` must be stopped on the thread that started it, so
+:meth:`~ProfileCapture.abort` from another thread (the hub cancelled, from the sender
+thread) answers at once but leaves the stop to the next step boundary; a job that never
+reaches another boundary keeps the profiler running (and its events in memory) until
+the process ends. Called on the training thread itself (``probe.close()``), ``abort``
+stops at once.
+
+**Cost.** Only while capturing: the profiler's own overhead on the captured steps, and
+at the last boundary, on the training thread, writing the trace and reading the events
+for the summary (tens of milliseconds for a small model, seconds for a trace of
+hundreds of thousands of events). Before the first and after the last boundary nothing
+runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+log = logging.getLogger("collectors")
+
+__all__ = ["ProfileCapture", "is_comm", "merge", "profiler_active", "split_time", "subtract",
+           "summarise"]
+
+#: An interval of time, ``(start_s, end_s)``.
+Interval = tuple[float, float]
+
+#: Name prefixes (lower case) of collective records and operators.
+COMM_PREFIXES = ("gloo:", "nccl", "mpi:", "ucc:", "c10d::", "c10d_functional::",
+                 "_c10d_functional::", "record_param_comms")
+#: Substrings (lower case) that name a collective wherever they appear.
+COMM_WORDS = ("allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
+              "reducescatter", "alltoall", "all_to_all", "sendrecv")
+#: Kineto activity types of GPU work (kernels and copies; not annotations).
+GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+#: The longest operator name an answer carries.
+MAX_NAME = 200
+
+_WAITING, _RUNNING, _DONE = "waiting", "running", "done"
+
+
+def is_comm(name: str) -> bool:
+    """Whether a profiler event's name is a collective's (see the module doc).
+
+    Backend records (``gloo:all_reduce``, ``nccl:all_reduce``), c10d operators
+    (``c10d::allreduce_``, ``c10d_functional::wait_tensor``), ``record_param_comms`` and
+    NCCL kernels (``ncclDevKernel_AllReduce_Sum_f32_RING_LL``) are; ``aten::broadcast_to``
+    is not.
+    """
+    low = name.lower()
+    return low.startswith(COMM_PREFIXES) or any(w in low for w in COMM_WORDS)
+
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of intervals as sorted, disjoint intervals (empty ones dropped)."""
+    out: list[Interval] = []
+    for a, b in sorted(iv for iv in intervals if iv[1] > iv[0]):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _total(merged: Sequence[Interval]) -> float:
+    return sum((b - a for a, b in merged), 0.0)
+
+
+def subtract(x: Sequence[Interval], y: Sequence[Interval]) -> list[Interval]:
+    """The parts of merged intervals ``x`` that merged intervals ``y`` do not cover."""
+    out: list[Interval] = []
+    j = 0
+    for a, b in x:
+        while j < len(y) and y[j][1] <= a:
+            j += 1
+        k = j
+        while a < b and k < len(y) and y[k][0] < b:
+            if y[k][0] > a:
+                out.append((a, y[k][0]))
+            a = max(a, y[k][1])
+            k += 1
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def _overlap(x: Sequence[Interval], y: Sequence[Interval]) -> float:
+    """Time covered by both of two merged interval lists."""
+    i = j = 0
+    shared = 0.0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if hi > lo:
+            shared += hi - lo
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return shared
+
+
+def split_time(compute: Iterable[Interval], comm: Iterable[Interval],
+               window: Interval) -> dict[str, float]:
+    """Split ``window`` into compute, communication and idle time (module doc):
+    ``wall_s``, ``compute_s``, ``comm_s``, ``overlap_s`` and ``idle_s``, in seconds.
+
+    ``compute`` and ``comm`` are intervals that may overlap each other and themselves;
+    both are clipped to ``window``. ``compute_s + comm_s - overlap_s + idle_s`` equals
+    ``wall_s``.
+    """
+    lo, hi = window
+    wall = max(0.0, hi - lo)
+    cu = merge((max(a, lo), min(b, hi)) for a, b in compute)
+    co = merge((max(a, lo), min(b, hi)) for a, b in comm)
+    compute_s, comm_s, overlap_s = _total(cu), _total(co), _overlap(cu, co)
+    idle_s = max(0.0, wall - (compute_s + comm_s - overlap_s))
+    return {"wall_s": wall, "compute_s": compute_s, "comm_s": comm_s,
+            "overlap_s": overlap_s, "idle_s": idle_s}
+
+
+def _interval(e: Any) -> Interval:
+    tr = e.time_range  # microseconds since the trace began
+    return (float(tr.start) / 1e6, float(tr.end) / 1e6)
+
+
+def summarise(events: Iterable[Any], *, gpu: bool, top: int = 10) -> dict[str, Any]:
+    """The summary of a capture from ``torch.profiler``'s events (``prof.events()``).
+
+    ``gpu``: split the GPU's timeline (when the events hold any GPU work) and rank
+    operators by self CUDA time; else the CPU's. Returns ``timeline``, ``top_ops`` and
+    the :func:`split_time` figures over the ``ProfilerStep#N`` window.
+    """
+    steps: list[Interval] = []
+    cpu_comm: dict[Any, list[Interval]] = {}  # by thread
+    cpu_ops: dict[Any, list[Interval]] = {}
+    dev_comm: list[Interval] = []
+    dev_work: list[Interval] = []
+    cpu_self: dict[str, list[float]] = {}
+    dev_self: dict[str, list[float]] = {}
+    for e in events:
+        name = str(e.name)
+        trace_name = str(getattr(e, "trace_name", None) or name)
+        device = str(e.device_type).rsplit(".", 1)[-1]
+        activity = getattr(e, "activity_type", None)
+        if device != "CPU":
+            if activity is None or str(activity) in GPU_ACTIVITIES:
+                (dev_comm if is_comm(name) else dev_work).append(_interval(e))
+            continue
+        if trace_name.startswith("ProfilerStep"):
+            steps.append(_interval(e))
+            continue
+        op = (str(activity) == "cpu_op" if activity is not None
+              else not getattr(e, "is_user_annotation", False))
+        thread = getattr(e, "thread", None)
+        if is_comm(name):
+            cpu_comm.setdefault(thread, []).append(_interval(e))
+        elif op:
+            cpu_ops.setdefault(thread, []).append(_interval(e))
+        if op:
+            for table, t_us in ((cpu_self, e.self_cpu_time_total),
+                                (dev_self, e.self_device_time_total if gpu else 0.0)):
+                row = table.setdefault(name, [0.0, 0.0])
+                row[0] += float(t_us) / 1e6
+                row[1] += 1
+    use_gpu = gpu and bool(dev_comm or dev_work)
+    if use_gpu:
+        compute, comm = dev_work, dev_comm
+    else:  # a collective called inside an operator (DDP's backward hooks) is not compute
+        compute = [iv for t, ops in cpu_ops.items()
+                   for iv in subtract(merge(ops), merge(cpu_comm.get(t, [])))]
+        comm = [iv for ivs in cpu_comm.values() for iv in ivs]
+    every = steps or compute + comm
+    window = (min(a for a, _ in every), max(b for _, b in every)) if every else (0.0, 0.0)
+    table = dev_self if use_gpu else cpu_self
+    ranked = sorted(((n, s, c) for n, (s, c) in table.items() if s > 0),
+                    key=lambda x: (-x[1], x[0]))[:max(0, top)]
+    return {"timeline": "gpu" if use_gpu else "cpu",
+            "top_ops": [{"name": n[:MAX_NAME], "self_s": s, "calls": int(c)}
+                        for n, s, c in ranked],
+            **split_time(compute, comm, window)}
+
+
+def profiler_active() -> str | None:
+    """Which profiler is running in this process, or None (torch already imported)."""
+    import torch
+    import torch.autograd.profiler as autograd_profiler
+
+    if getattr(autograd_profiler, "_is_profiler_enabled", False):
+        return "torch.profiler (or torch.autograd.profiler) is already running in this process"
+    if torch._C._autograd._profiler_enabled():
+        return "a torch profiler is already enabled on the training thread"
+    return None
+
+
+def _always_record(step: int) -> Any:
+    from torch.profiler import ProfilerAction
+
+    return ProfilerAction.RECORD
+
+
+class ProfileCapture:
+    """``torch.profiler`` over ``steps`` training steps, answering through ``on_done``.
+
+    ``out_dir``: where the trace goes (made if missing); ``worker_name``: the trace's
+    worker name, one per rank (``rank3``); ``rank``: put in the answer; ``cuda``: profile
+    CUDA activity too (None: when CUDA is available and initialised in this process);
+    ``top``: how many operators the answer lists. See the module doc for the answer,
+    the split and what happens on errors and aborts. Never raises into the job.
+    """
+
+    def __init__(self, out_dir: str, worker_name: str, steps: int, rank: int,
+                 on_done: Callable[[dict[str, Any]], None], *, cuda: bool | None = None,
+                 top: int = 10) -> None:
+        self.out_dir = os.path.abspath(out_dir)
+        self.worker_name = worker_name
+        self.steps = steps
+        self.rank = rank
+        self.top = top
+        self._cuda = cuda
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._state = _WAITING
+        self._answered = False
+        self._abort_why: str | None = None
+        self._prof: Any = None
+        self._thread: int | None = None
+        self._first = 0
+        self._count = 0
+        self._before: set[str] = set()
+        self._trace: str | None = None
+
+    # ---- the training thread --------------------------------------------------------
+
+    def at_boundary(self, step: int) -> bool:
+        """Start at the first call, count a step at each later one, finish after
+        ``steps``; True once finished (or refused, or aborted). Never raises."""
+        try:
+            with self._lock:
+                state, why = self._state, self._abort_why
+                if state == _WAITING:
+                    self._state = _RUNNING
+                    self._thread = threading.get_ident()
+            if state == _WAITING:
+                return self._start(step)
+            if self._prof is None:
+                return True  # done, or aborted before it started
+            if why is not None:
+                self._discard()
+                self._answer({"rank": self.rank, "error": why})
+                return True
+            self._count += 1
+            if self._count < self.steps:
+                self._prof.step()
+                return False
+            self._finish()
+            return True
+        except Exception as exc:  # rtop's failure costs the capture, never the job
+            self._fail(f"profiling failed: {type(exc).__name__}: {exc}")
+            return True
+
+    def _start(self, step: int) -> bool:
+        if self.steps < 1:
+            self._fail(f"a profile needs at least 1 step, not {self.steps}")
+            return True
+        import torch
+
+        busy = profiler_active()
+        if busy is not None:
+            self._fail(f"{busy}; rtop does not start a second one, which would disturb it")
+            return True
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            fd, probe_path = tempfile.mkstemp(prefix=".rtop-write-test-", dir=self.out_dir)
+            os.close(fd)
+            os.unlink(probe_path)
+        except OSError as exc:
+            self._fail(f"cannot write traces to {self.out_dir}: {exc}")
+            return True
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self._cuda
+        if cuda is None:
+            initialised: Callable[[], bool] = torch.cuda.is_initialized
+            cuda = torch.cuda.is_available() and initialised()
+        self._cuda = cuda
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self._before = set(self._traces())
+        prof = profile(activities=activities, schedule=_always_record,
+                       on_trace_ready=self._trace_ready)
+        prof.step_num = step  # ProfilerStep#N names the job's own step index
+        self._first = step
+        try:
+            prof.start()
+        except Exception as exc:
+            if "already enabled" not in str(exc):  # that one is the user's: leave it be
+                with contextlib.suppress(Exception):
+                    prof.on_trace_ready = None
+                    prof.stop()
+            self._fail(f"could not start the profiler: {type(exc).__name__}: {exc}")
+            return True
+        self._prof = prof
+        return False
+
+    def _finish(self) -> None:
+        prof, self._prof = self._prof, None
+        with self._lock:
+            self._state = _DONE
+        prof.stop()  # stops, then writes the trace (on_trace_ready)
+        if self._answered:
+            return  # aborted meanwhile from another thread: that was the answer
+        answer: dict[str, Any] = {"rank": self.rank,
+                                  "steps": [self._first, self._first + self.steps - 1],
+                                  "trace": self._trace}
+        answer.update(summarise(prof.events(), gpu=bool(self._cuda), top=self.top))
+        self._answer(answer)
+
+    def _trace_ready(self, prof: Any) -> None:
+        from torch.profiler import tensorboard_trace_handler
+
+        try:
+            tensorboard_trace_handler(self.out_dir, worker_name=self.worker_name)(prof)
+        except BaseException:
+            for name in set(self._traces()) - self._before:  # a partial trace (disk full)
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.out_dir, name))
+            raise
+        new = sorted(set(self._traces()) - self._before)
+        if not new:
+            raise RuntimeError(f"the profiler wrote no trace into {self.out_dir}")
+        self._trace = os.path.join(self.out_dir, new[-1])
+
+    def _traces(self) -> list[str]:
+        prefix, suffix = f"{self.worker_name}.", ".pt.trace.json"
+        try:
+            names = os.listdir(self.out_dir)
+        except OSError:
+            return []
+        return [n for n in names if n.startswith(prefix) and n.endswith(suffix)]
+
+    def _discard(self) -> None:
+        """Stop rtop's profiler if it runs, writing no trace (on the thread that
+        started it)."""
+        prof, self._prof = self._prof, None
+        with self._lock:
+            self._state = _DONE
+        if prof is None:
+            return
+        prof.on_trace_ready = None
+        with contextlib.suppress(Exception):
+            prof.stop()
+
+    def _fail(self, why: str) -> None:
+        if self._thread == threading.get_ident():
+            self._discard()
+        with self._lock:
+            self._state = _DONE
+        self._answer({"rank": self.rank, "error": why})
+
+    # ---- any thread -----------------------------------------------------------------
+
+    def abort(self, why: str) -> None:
+        """Stop the capture and answer ``{"error": why}`` unless already answered.
+
+        On the thread that started the profiler it stops now; from another thread the
+        answer goes now and the profiler stops at the next step boundary (module doc).
+        """
+        with self._lock:
+            if self._state == _DONE:
+                return
+            if self._state == _WAITING:
+                self._state = _DONE
+            elif self._thread != threading.get_ident():
+                self._abort_why = why
+        try:
+            if self._thread == threading.get_ident():
+                self._discard()
+        finally:
+            self._answer({"rank": self.rank, "error": why})
+
+    def _answer(self, answer: dict[str, Any]) -> None:
+        with self._lock:
+            if self._answered:
+                return
+            self._answered = True
+        try:
+            self._on_done(answer)
+        except Exception:
+            log.warning("rtop: handing over a profile's answer failed", exc_info=True)

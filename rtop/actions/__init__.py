@@ -1,0 +1,61 @@
+"""What the CLI and the UI make of the answers to actions on a running job.
+
+The hub answers an action (``rtop.client.HubClient.act``) with every rank's own answer;
+:func:`action_result` turns that into the action's public JSON (see the README), and
+:func:`action_text` into text for a terminal. Each action's own module
+(:mod:`rtop.actions.profile`, :mod:`rtop.actions.probe`, :mod:`rtop.actions.stacks`)
+assembles and formats it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rtop.fmt import fmt_ranks, safe_text
+
+
+def action_result(out: dict[str, Any]) -> dict[str, Any]:
+    """The public JSON of an action from the hub's answer (see the README)."""
+    action = out.get("action")
+    answers = {int(a["rank"]): a for a in out.get("answers") or []}
+    errors = {int(e["rank"]): str(e["error"]) for e in out.get("errors") or []}
+    missing = list(out.get("missing") or [])
+    if action == "profile":
+        from rtop.actions.profile import assemble as assemble_profile
+
+        result = assemble_profile(answers, str(out.get("dir")), missing, errors)
+    elif action == "stacks":
+        from rtop.actions.stacks import assemble as assemble_stacks
+
+        result = assemble_stacks(answers, missing, errors)
+    else:
+        result = dict(out.get("links") or {"ranks": out.get("ranks"), "nodes": out.get(
+            "nodes"), "matrix_Bps": None, "findings": []})
+        result["errors"] = {str(r): e for r, e in errors.items()}
+        result["missing"] = missing
+    if out.get("cancelled"):
+        result["cancelled"] = out["cancelled"]
+    return result
+
+
+def action_text(action: str, result: dict[str, Any], *, all_threads: bool = False) -> str:
+    """An action's result as text for the terminal."""
+    if action == "profile":
+        from rtop.actions.profile import format_text as profile_text
+
+        text = profile_text(result)
+    elif action == "stacks":
+        from rtop.actions.stacks import format_text as stacks_text
+
+        text = stacks_text(result, all_threads=all_threads)
+    else:
+        from rtop.actions.probe import format_text as probe_text
+
+        text = probe_text(result)
+        for r, e in sorted((result.get("errors") or {}).items()):
+            text += f"\nrank {r}: {safe_text(str(e))}"
+        if result.get("missing"):
+            text += f"\nno answer from rank(s) {fmt_ranks(result['missing'])}"
+    if result.get("cancelled"):
+        text += f"\ncancelled: {safe_text(str(result['cancelled']))}"
+    return text

@@ -1,0 +1,370 @@
+"""The hub's side of the control channel: actions a control peer asks of the ranks.
+
+A peer authenticated with the control role (or the master token) sends ``control``
+``{"id", "action", "ranks", "args", "timeout_s"}``; the hub checks it, sends each target
+rank its part over the rank's own connection, gathers the ranks' ``result`` frames, and
+answers the peer with one ``result`` when every rank has answered or the deadline has
+passed: ``{"id", "action", "state": "done", "answers": [...], "errors": [...],
+"missing": [ranks], ...}``. Nobody waits forever: every action has a deadline, a rank
+that does not answer is named in ``missing``, and a rank that dies mid-action is an
+error for that rank only.
+
+* ``stacks`` goes to every target at once; each rank answers from its sender thread.
+* ``profile`` is armed on the targets at a common step ``at_step`` a little ahead of the
+  furthest rank (:func:`common_step`); each rank's training thread runs it from there.
+* ``probe`` is armed the same way on every rank of the job, and synchronised: each rank
+  says ``ready`` at ``at_step`` and waits; the hub says ``go`` once all are ready (within
+  :data:`GO_WINDOW_S` of the first), else ``cancel`` (a rank ``late``, lost or silent),
+  so a probe runs on every rank or on none (see :mod:`collectors.control`). The answers
+  make the link matrix and its findings (:mod:`rtop.analysis.links`), which the hub
+  keeps in the run's state and records.
+
+At most one training-thread action (profile or probe) runs at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from collectors import wire
+from rtop.fmt import fmt_ranks, safe_text
+
+if TYPE_CHECKING:
+    from rtop.hub.server import Hub
+
+log = logging.getLogger("rtop.hub")
+
+#: Actions a control peer may ask for.
+ACTIONS = ("profile", "probe", "stacks")
+#: How far ahead (seconds of steps) the common start step is put: the hub knows each
+#: rank's step from its last batch (sent every 0.5 s), and the frame must arrive first.
+LEAD_S = 1.5
+#: ... and at least this many steps ahead.
+LEAD_STEPS = 2
+#: A synchronised action starts only if every rank is ready within this of the first.
+GO_WINDOW_S = 4.0
+#: What a rank waits at its step for the hub's go (must exceed GO_WINDOW_S).
+WAIT_FOR_GO_S = 10.0
+#: Default deadlines (seconds) when the peer gives none.
+STACKS_TIMEOUT_S = 10.0
+MAX_TIMEOUT_S = 3600.0
+#: Limits on what may be asked.
+MAX_PROFILE_STEPS = 1000
+MIN_PROBE_BYTES, MAX_PROBE_BYTES = 1024, 1 << 30
+DEFAULT_PROBE_BYTES = 16 << 20
+DEFAULT_PROFILE_STEPS = 5
+
+
+class _Peer(Protocol):
+    """A connection the hub can send frames to (its ``_Conn``)."""
+
+    closing: bool
+
+    def send(self, kind: str, payload: dict[str, Any]) -> None: ...
+
+
+class ActionError(ValueError):
+    """A control request that cannot be carried out; the message says why."""
+
+
+@dataclass
+class Action:
+    """One action in flight."""
+
+    id: str
+    client_id: Any
+    action: str
+    requester: _Peer
+    targets: Mapping[int, _Peer]
+    deadline: float
+    args: dict[str, Any]
+    at_step: int | None = None
+    sync: bool = False
+    started: float = field(default_factory=time.monotonic)
+    answers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    ready: set[int] = field(default_factory=set)
+    first_ready: float | None = None
+    go_sent: bool = False
+    cancelled: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def pending(self) -> list[int]:
+        """Targets that have neither answered nor failed."""
+        return sorted(r for r in self.targets if r not in self.answers and r not in self.errors)
+
+
+class Actions:
+    """The actions a hub runs (see the module doc). Called on the hub's event loop."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.running: dict[str, Action] = {}
+        self._ids = itertools.count(1)
+        self.counters = {"actions": 0, "action_errors": 0}
+
+    # ---- requests from a control peer ----------------------------------------------
+
+    def request(self, peer: _Peer, payload: dict[str, Any]) -> None:
+        """A control peer's ``control`` frame."""
+        client_id = payload.get("id")
+        if not isinstance(client_id, (str, int)) or isinstance(client_id, bool) \
+                or (isinstance(client_id, str) and len(client_id) > 64):
+            client_id = None
+        try:
+            action = self._start(peer, client_id, payload)
+        except ActionError as exc:
+            self.counters["action_errors"] += 1
+            peer.send(wire.KIND_RESULT, {"id": client_id, "state": "refused",
+                                         "error": str(exc)})
+            return
+        self.counters["actions"] += 1
+        peer.send(wire.KIND_RESULT, {"id": client_id, "state": "started",
+                                     "action": action.action, "ranks": sorted(action.targets),
+                                     "at_step": action.at_step, "timeout_s":
+                                     round(action.deadline - time.monotonic(), 1),
+                                     **action.info})
+        log.info("rtop hub: %s on ranks %s%s", action.action, _ranges(sorted(action.targets)),
+                 f" from step {action.at_step}" if action.at_step is not None else "")
+
+    def _start(self, peer: _Peer, client_id: Any, p: dict[str, Any]) -> Action:
+        name = p.get("action")
+        if name not in ACTIONS:
+            raise ActionError(f"unknown action {safe_text(str(name))[:40]!r} "
+                              f"(one of {', '.join(ACTIONS)})")
+        args = p.get("args") or {}
+        if not isinstance(args, dict):
+            raise ActionError("args must be a map")
+        conns = self.hub.rank_connections()
+        if not conns:
+            raise ActionError("no rank is connected to this hub")
+        wanted = p.get("ranks")
+        if name == "probe":
+            if wanted is not None:
+                raise ActionError("a probe runs on every rank of the job (no ranks)")
+            targets = conns
+        elif wanted is None:
+            targets = conns
+        else:
+            if not isinstance(wanted, list) or not wanted or len(wanted) > 1 << 20 or \
+                    not all(isinstance(r, int) and not isinstance(r, bool) for r in wanted):
+                raise ActionError("ranks must be a non-empty list of rank numbers")
+            absent = sorted(set(wanted) - set(conns))
+            if absent:
+                raise ActionError(f"rank{'s' if len(absent) > 1 else ''} "
+                                  f"{_ranges(absent)} not connected to this hub")
+            targets = {r: conns[r] for r in sorted(set(wanted))}
+        if name != "stacks" and any(a.action != "stacks" for a in self.running.values()):
+            raise ActionError("another profile or probe is running; try again when it ends")
+        timeout = p.get("timeout_s")
+        if timeout is not None and (not isinstance(timeout, (int, float))
+                                    or isinstance(timeout, bool)
+                                    or not 0 < timeout <= MAX_TIMEOUT_S):
+            raise ActionError(f"timeout_s must be a number of seconds up to {MAX_TIMEOUT_S:.0f}")
+        aid = f"a{next(self._ids)}-{os.getpid()}"
+        now = time.monotonic()
+        if name == "stacks":
+            act = Action(aid, client_id, name, peer, targets,
+                         now + float(timeout or STACKS_TIMEOUT_S), {})
+            self.running[aid] = act
+            for conn in targets.values():
+                conn.send(wire.KIND_CONTROL, {"id": aid, "action": "stacks"})
+            return act
+        step_s = self.hub.step_seconds(targets)
+        at_step = common_step([self.hub.last_step(r) for r in targets], step_s)
+        lead_s = (at_step - max(self.hub.last_step(r) for r in targets)) * (step_s or 0.0)
+        if name == "profile":
+            steps = args.get("steps", DEFAULT_PROFILE_STEPS)
+            if not isinstance(steps, int) or isinstance(steps, bool) \
+                    or not 1 <= steps <= MAX_PROFILE_STEPS:
+                raise ActionError(f"steps must be 1 to {MAX_PROFILE_STEPS}")
+            out = args.get("dir")
+            if out is not None and (not isinstance(out, str) or not out or len(out) > 4096
+                                    or "\x00" in out):
+                raise ActionError("dir must be a path")
+            out_dir = out or self.hub.profile_dir()
+            auto = 60.0 + lead_s + 3 * steps * (step_s or 1.0)
+            act = Action(aid, client_id, name, peer, targets,
+                         now + float(timeout or auto), {"dir": out_dir, "steps": steps},
+                         at_step=at_step, info={"dir": out_dir, "steps": steps})
+            self.running[aid] = act
+            for conn in targets.values():
+                conn.send(wire.KIND_CONTROL, {"id": aid, "action": "profile",
+                                              "at_step": at_step, "args": act.args})
+            return act
+        # probe: every rank of the job, synchronised
+        from collectors.linkprobe import plan
+
+        nbytes = args.get("bytes", DEFAULT_PROBE_BYTES)
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) \
+                or not MIN_PROBE_BYTES <= nbytes <= MAX_PROBE_BYTES:
+            raise ActionError(f"bytes must be {MIN_PROBE_BYTES} to {MAX_PROBE_BYTES}")
+        world = self.hub.world_size()
+        ranks = sorted(targets)
+        if world is not None and ranks != list(range(world)):
+            missing = sorted(set(range(world)) - set(ranks))
+            raise ActionError(f"a probe needs every rank of the job connected; "
+                              f"rank{'s' if len(missing) > 1 else ''} {_ranges(missing)} "
+                              f"{'are' if len(missing) > 1 else 'is'} not")
+        nodes = [self.hub.node_of(r) for r in ranks]
+        rounds = plan(nodes)
+        per_rank: dict[int, list[list[int]]] = {r: [] for r in ranks}
+        for i, pairs in enumerate(rounds):
+            for a, b in pairs:
+                ra, rb = ranks[a], ranks[b]
+                per_rank[ra].append([i, ra, rb])
+                per_rank[rb].append([i, ra, rb])
+        reps = 3
+        per_transfer = 0.05 + nbytes / 50e6  # even at 50 MB/s
+        transfer_timeout = max(10.0, 4 * per_transfer * reps)
+        auto = 30.0 + lead_s + WAIT_FOR_GO_S + len(rounds) * reps * 2 * per_transfer * 4
+        act = Action(aid, client_id, name, peer, targets, now + float(timeout or auto),
+                     {"bytes": nbytes, "rounds": len(rounds), "reps": reps,
+                      "timeout_s": transfer_timeout},
+                     at_step=at_step, sync=True,
+                     info={"bytes": nbytes, "rounds": len(rounds), "nodes": nodes})
+        self.running[aid] = act
+        for r, conn in targets.items():
+            conn.send(wire.KIND_CONTROL, {"id": aid, "action": "probe", "at_step": at_step,
+                                          "wait_s": WAIT_FOR_GO_S,
+                                          "args": {**act.args, "pairs": per_rank[r]}})
+        return act
+
+    # ---- answers from ranks --------------------------------------------------------
+
+    def result(self, rank: int, payload: dict[str, Any]) -> None:
+        """A rank's ``result`` frame."""
+        act = self.running.get(str(payload.get("id")))
+        if act is None or rank not in act.targets:
+            return
+        state = payload.get("state")
+        if state == "ready" and act.sync:
+            act.ready.add(rank)
+            if act.first_ready is None:
+                act.first_ready = time.monotonic()
+            if act.ready >= set(act.targets) and not act.go_sent and act.cancelled is None:
+                act.go_sent = True
+                for conn in act.targets.values():
+                    conn.send(wire.KIND_CONTROL, {"id": act.id, "action": "go"})
+        elif state == "late":
+            self._cancel(act, f"rank {rank} was past step {act.at_step} when the probe "
+                              f"reached it (at step {payload.get('step')}); nothing ran")
+        elif state == "error":
+            act.errors[rank] = safe_text(str(payload.get("error") or "failed"))[:300]
+            if act.sync and not act.go_sent:
+                self._cancel(act, f"rank {rank} could not take part: {act.errors[rank]}")
+        elif state == "done":
+            body = {k: v for k, v in payload.items()
+                    if k not in ("id", "state", "t_wall")}
+            body["rank"] = rank
+            act.answers[rank] = body
+        if not act.pending():
+            self._finish(act)
+
+    def rank_lost(self, rank: int) -> None:
+        """A rank's connection closed: it will not answer."""
+        for act in list(self.running.values()):
+            if rank in act.targets and rank not in act.answers and rank not in act.errors:
+                act.errors[rank] = "the rank's connection closed during the action"
+                if act.sync and not act.go_sent:
+                    self._cancel(act, f"rank {rank} left before the probe started")
+                if not act.pending():
+                    self._finish(act)
+
+    def peer_lost(self, peer: _Peer) -> None:
+        """The control peer left: its actions are cancelled (a running capture still
+        ends at its own step and writes its traces)."""
+        for act in list(self.running.values()):
+            if act.requester is peer:
+                self._cancel(act, "the control peer that asked left")
+                self.running.pop(act.id, None)
+
+    def tick(self, now: float) -> None:
+        """Deadlines and the go window (called by the hub's housekeeping)."""
+        for act in list(self.running.values()):
+            if act.sync and not act.go_sent and act.cancelled is None \
+                    and act.first_ready is not None and now - act.first_ready > GO_WINDOW_S:
+                waiting = sorted(set(act.targets) - act.ready)
+                self._cancel(act, f"rank{'s' if len(waiting) > 1 else ''} "
+                                  f"{_ranges(waiting)} did not reach step {act.at_step} "
+                                  f"within {GO_WINDOW_S:.0f} s of the others")
+            if now >= act.deadline:
+                if act.sync and not act.go_sent and act.cancelled is None:
+                    self._cancel(act, "the deadline passed before every rank was ready")
+                self._finish(act, timed_out=True)
+
+    def close(self) -> None:
+        """The hub is closing: cancel everything."""
+        for act in list(self.running.values()):
+            self._cancel(act, "the hub is closing")
+            self._finish(act)
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _cancel(self, act: Action, why: str) -> None:
+        if act.cancelled is not None:
+            return
+        act.cancelled = why
+        if act.action != "stacks":
+            for conn in act.targets.values():
+                conn.send(wire.KIND_CONTROL, {"id": act.id, "action": "cancel", "why": why})
+        if act.sync and not act.go_sent:
+            for r in act.pending():
+                act.errors.setdefault(r, "cancelled: " + why)
+            self._finish(act)
+
+    def _finish(self, act: Action, timed_out: bool = False) -> None:
+        if self.running.pop(act.id, None) is None:
+            return
+        missing = act.pending()
+        answers = [act.answers[r] for r in sorted(act.answers)]
+        out: dict[str, Any] = {
+            "id": act.client_id, "action": act.action, "state": "done",
+            "ranks": sorted(act.targets), "at_step": act.at_step,
+            "answers": answers,
+            "errors": [{"rank": r, "error": e} for r, e in sorted(act.errors.items())],
+            "missing": missing, "cancelled": act.cancelled,
+            "seconds": round(time.monotonic() - act.started, 3), **act.info,
+        }
+        if act.action == "probe" and act.go_sent:
+            out["links"] = self.hub.probe_done(sorted(act.targets), act.info["nodes"],
+                                               act.answers)
+        if missing:
+            log.warning("rtop hub: %s: rank%s %s did not answer within the deadline",
+                        act.action, "s" if len(missing) > 1 else "", _ranges(missing))
+        if not act.requester.closing:
+            act.requester.send(wire.KIND_RESULT, out)
+
+
+def common_step(last_steps: list[int], step_s: float | None) -> int:
+    """The step every rank starts an action at: :data:`LEAD_S` of steps (at least
+    :data:`LEAD_STEPS`) after the furthest rank's last reported step."""
+    furthest = max(last_steps) if last_steps else -1
+    lead = LEAD_STEPS
+    if step_s is not None and step_s > 0 and math.isfinite(step_s):
+        lead = max(lead, math.ceil(LEAD_S / step_s))
+    return max(0, furthest + 1) + lead
+
+
+def default_profile_dir(record: Path | None, job: str) -> str:
+    """Where traces go by default: a folder beside the run's recording (``RUN.rtop`` →
+    ``RUN.profiles/<time>``), else under the runs directory."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if record is not None:
+        return str(record.with_suffix(".profiles") / stamp)
+    from rtop.hub.recorder import default_record_path
+
+    return str(default_record_path(job or "job").with_suffix(".profiles") / stamp)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0-2,5"``."""
+    return fmt_ranks(ranks)
