@@ -18,6 +18,9 @@ point                     where it runs                                  feature
 ``commhook.done``         the comm hook's completion callback            collective timing
 ``ddptimer.read``         reading DDP's own timer at step exit           collective timing
 ``ddptimer.backward``     the hook on the last gradient (phase "comm")   collective timing
+``collectives.launch``    a process group's collective, as it launches   direct collective timing
+``collectives.done``      that collective's completion callback          direct collective timing
+``collectives.wait``      ``Work.wait()`` on a collective                direct collective timing
 ``control.boundary``      running a hub's action at a step boundary      control actions
 ========================  =============================================  =================
 
@@ -26,8 +29,10 @@ guarded the same way, and the suite then covers them too.
 
 With a feature off, the job runs exactly as without rtop at that point: a disabled step
 timer is a no-op context, a disabled loader wrapper yields the loader's items, a
-disabled comm hook only calls the allreduce it wraps, and step records say the
-affected figures are not measured (None), never zero. ``tests/test_never_raise.py``
+disabled comm hook only calls the allreduce it wraps, a disabled collective wrapper
+(``collectors.collectives``: every collective but DDP's, FSDP's and a user's own) only
+calls the process group's own method, and step records say the affected figures are
+not measured (None), never zero. ``tests/test_never_raise.py``
 injects an exception at each point and checks that a real DDP job runs to completion
 with gradients identical to an unwatched one.
 """
@@ -51,6 +56,12 @@ ENTRY_POINTS: Final[dict[str, tuple[str, str]]] = {
     "commhook.done": ("the DDP comm hook's completion callback", "collective timing"),
     "ddptimer.read": ("reading DDP's own timer at step exit", "collective timing"),
     "ddptimer.backward": ("the hook on the last gradient of backward", "collective timing"),
+    "collectives.launch": ("a process group's collective (FSDP's, a user's own), as it "
+                           "is launched", "direct collective timing"),
+    "collectives.done": ("a process group collective's completion callback",
+                         "direct collective timing"),
+    "collectives.wait": ("Work.wait() on a process group collective",
+                         "direct collective timing"),
     "control.boundary": ("running a hub's action (profile, probe) at a step boundary",
                          "control actions"),
 }

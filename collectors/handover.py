@@ -2,10 +2,11 @@
 
 :class:`Activity` is what the training thread is doing now (its phase and since when,
 whether it is inside a step); the heartbeat sampler reads it from the sender thread.
-:class:`CommTiming` is how the watched model's collectives are timed and what the
-current step has collected so far; :mod:`collectors.commhook` and
-:mod:`collectors.ddptimer` write it, the probe's step timer takes the step's figures at
-step exit, and the sender reads the world size and byte count.
+:class:`CommTiming` is how the collectives are timed and what the current step has
+collected so far; :mod:`collectors.commhook` and :mod:`collectors.ddptimer` write its
+DDP part, :mod:`collectors.collectives` every other collective (FSDP's, a user's own),
+the probe's step timer takes the step's figures at step exit, and the sender reads the
+world size and byte count.
 
 Both are plain slotted objects: the training thread's hot path reads and writes their
 attributes directly (no method call, no lock: single attribute stores are atomic under
@@ -52,16 +53,21 @@ class Activity:
 
 
 class CommTiming:
-    """How the watched model's collectives are timed, and this step's figures so far.
+    """How the collectives are timed, and this step's figures so far.
 
-    Exactly one of two ways, chosen by ``probe.watch``: rtop's comm hook
+    A DDP model's allreduce, one of two ways chosen by ``probe.watch``: rtop's comm hook
     (:meth:`use_hook`: ``buckets`` collects ``[launch, done, nbytes]`` entries during
     the step) or DDP's own timer (:meth:`use_ddp_timer`: ``ddp_logger`` is read at step
-    exit). Neither: collectives are not timed, and the step says so (``None``).
+    exit). Every other collective (FSDP's all-gathers and reduce-scatters, a user's own
+    ``dist.all_reduce``), once :meth:`use_direct` (``collectors.collectives``): ``calls``
+    collects ``[op, launch, done, nbytes, group_size, count]`` entries and ``blocked``
+    the intervals the caller spent blocked in them. None of these: collectives are not
+    timed, and the step says so (``None``).
     """
 
-    __slots__ = ("buckets", "ddp_iteration", "ddp_logger", "ddp_model", "failed", "nbytes",
-                 "on_failure", "world")
+    __slots__ = ("blocked", "buckets", "calls", "ddp_iteration", "ddp_logger", "ddp_model",
+                 "ddp_ref", "direct_failed", "failed", "hook_codes", "nbytes", "on_failure",
+                 "world")
 
     def __init__(self) -> None:
         #: This step's bucket entries while the comm hook times the allreduce, else None.
@@ -80,10 +86,28 @@ class CommTiming:
         self.failed = False
         #: Told ``(point, error)`` when timing fails (the probe's fault record).
         self.on_failure: Callable[[str, BaseException], Any] | None = None
+        #: This step's direct collectives (``[op, launch, done, nbytes, group_size,
+        #: count]``) while ``collectors.collectives`` times them, else None.
+        self.calls: list[Any] | None = None
+        #: This step's intervals ``(start, end)`` spent blocked in a direct collective
+        #: (the call itself on CPU, ``Work.wait()``).
+        self.blocked: list[Any] = []
+        #: True once timing the direct collectives failed (:meth:`fail_direct`).
+        self.direct_failed = False
+        #: A weak reference to the watched DDP model, if any: a collective its comm hook
+        #: launches is DDP's, timed by the hook or DDP's timer, not counted again.
+        self.ddp_ref: Any = None
+        #: ``(hooks list id, length, code objects)``: the DDP comm hooks' code, cached.
+        self.hook_codes: tuple[int, int, frozenset[Any]] | None = None
 
     @property
     def measured(self) -> bool:
         """Whether the collectives are timed at all."""
+        return self.ddp_measured or self.calls is not None
+
+    @property
+    def ddp_measured(self) -> bool:
+        """Whether a DDP model's allreduce is timed (by the comm hook or DDP's timer)."""
         return self.buckets is not None or self.ddp_logger is not None
 
     def fail(self, point: str, error: BaseException) -> None:
@@ -96,6 +120,27 @@ class CommTiming:
         if callback is not None:
             with contextlib.suppress(Exception):  # the report must not break the job
                 callback(point, error)
+
+    def fail_direct(self, point: str, error: BaseException) -> None:
+        """Timing the direct collectives failed at ``point`` (``collectors.guard``): stop,
+        and report the steps' collective figures as not measured from now on."""
+        self.direct_failed = True
+        self.calls = None
+        callback = self.on_failure
+        if callback is not None:
+            with contextlib.suppress(Exception):  # the report must not break the job
+                callback(point, error)
+
+    def use_direct(self) -> None:
+        """Every collective not launched by DDP is timed from now on
+        (``collectors.collectives``)."""
+        if self.calls is None and not self.direct_failed:
+            self.calls = []
+            self.blocked = []
+
+    def stop_direct(self) -> None:
+        """The direct collectives are no longer timed (the probe closed)."""
+        self.calls = None
 
     def use_hook(self, world: int) -> None:
         """rtop's comm hook times each bucket from now on (``collectors.commhook``)."""

@@ -36,6 +36,13 @@ def _peak_rss_of_this_process() -> int:
 
 
 def _tensor_bytes(t: Any) -> int:
+    """The bytes this rank holds for ``t``: a sharded ``DTensor`` (FSDP2's parameters
+    and their optimizer state) counts its local shard, not the global tensor whose
+    shape it reports. ``_local_tensor`` is read as an attribute, not through
+    ``to_local()``, which would add an autograd node from the sender thread."""
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        t = local
     return int(t.numel()) * int(t.element_size())
 
 

@@ -5,7 +5,8 @@ What the probe hands over to other code, all documented attributes of :class:`Pr
 ``records`` and ``events`` (bounded buffers the sender thread empties), ``activity``
 (the training thread's phase, :class:`collectors.handover.Activity`), ``comm`` (how
 the collectives are timed, :class:`collectors.handover.CommTiming`, written by
-:mod:`collectors.commhook` and :mod:`collectors.ddptimer`) and ``cuda`` (the CUDA
+:mod:`collectors.commhook`, :mod:`collectors.ddptimer` and
+:mod:`collectors.collectives`) and ``cuda`` (the CUDA
 event pool once steps are timed on the GPU). Nothing outside this module writes a
 probe's own fields.
 """
@@ -21,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from collectors import ddptimer
+from collectors import collectives, ddptimer
 from collectors.config import ProbeConfig
 from collectors.cuda_events import EventPool
 from collectors.guard import Faults
@@ -53,6 +54,21 @@ def batch_size(batch: Any, _depth: int = 0) -> int | None:
             return batch_size(batch[0], _depth + 1)
         if isinstance(batch, dict) and batch:
             return batch_size(next(iter(batch.values())), _depth + 1)
+    return None
+
+
+def sharded_kind(model: Any) -> str | None:
+    """``"FSDP2"`` for a ``fully_shard`` module, ``"FSDP1"`` for a
+    ``FullyShardedDataParallel`` one, else None (looked up only where torch has them)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return None
+    fsdp2 = getattr(fsdp, "FSDPModule", None)
+    if fsdp2 is not None and isinstance(model, fsdp2):
+        return "FSDP2"
+    fsdp1 = getattr(fsdp, "FullyShardedDataParallel", None)
+    if fsdp1 is not None and isinstance(model, fsdp1):
+        return "FSDP1"
     return None
 
 
@@ -179,11 +195,20 @@ class _StepTimer:
                 comm.buckets = []
             elif comm.ddp_logger is not None:
                 buckets = ddptimer.read(comm)
+            calls = comm.calls
+            direct: tuple[list[Any], list[Any], bool] | tuple[()] | None = None
+            if calls is not None:  # every other collective (collectors.collectives)
+                comm.calls = []
+                blocked = comm.blocked
+                comm.blocked = []
+                direct = (calls, blocked, not comm.failed)
+            elif comm.direct_failed:
+                direct = ()
             t_start = p._wait_t0 if p._wait_t0 is not None else p._t_enter
             gap = t_start - p._prev_exit if p._prev_exit is not None else None
             record: RawStep = (
                 p._step, t_start, p._wait_s, p._t_enter, t, p._samples, buckets, gap,
-                cuda_pair,
+                cuda_pair, direct,
             )
             if len(p.records) < p._capacity:
                 p.records.append(record)
@@ -329,7 +354,11 @@ class Probe:
 
         A ``DistributedDataParallel`` model's allreduce is timed, on CPU, by DDP's own
         timer (see ``collectors.ddptimer``), and on GPU (or with ``comm_timing="hook"``)
-        by a comm hook timing each gradient bucket with CUDA events. Any
+        by a comm hook timing each gradient bucket with CUDA events. Once a process
+        group is initialised, every other collective of the process is timed too
+        (``collectors.collectives``): an FSDP2 (``fully_shard``) or FSDP1
+        (``FullyShardedDataParallel``) model's all-gathers and reduce-scatters, and a
+        user's own ``dist.all_reduce``, ``broadcast``, ... until :meth:`close`. Any
         model's parameters, gradients and the optimizer's state are counted for the
         memory breakdown; a model on CUDA switches step timing to CUDA events and picks
         the GPU that NVML samples.
@@ -356,9 +385,28 @@ class Probe:
             # current on the recording thread (the training thread may be on cuda:0)
             self.use_cuda_events(torch_cuda_pool(index))
             self._sender.use_cuda_device(index)
+        try:
+            note = collectives.install(self)
+        except Exception as exc:  # the DDP part below must not depend on it
+            note = None
+            self.notes.append(f"rtop could not time the process group's collectives: "
+                              f"{exc!r}")
+        if note is not None and note not in self.notes:
+            self.notes.append(note)
+        kind = sharded_kind(model)
+        if kind is not None:
+            said = (f"{kind} model: its all-gathers and reduce-scatters are timed with "
+                    "every other collective" if note is not None else
+                    f"{kind} model watched before a process group was initialised: its "
+                    "collectives are not timed (call probe.watch after init_process_group)")
+            if said not in self.notes:  # once, however many of its modules are watched
+                self.notes.append(said)
         ddp = torch.nn.parallel.DistributedDataParallel
         if not isinstance(model, ddp):
             return
+        import weakref
+
+        self.comm.ddp_ref = weakref.ref(model)
         if getattr(model, "_rtop_probe_box", None) is not None:
             # watched before (by an earlier, closed probe): the same way again
             timed_by_ddp = not hasattr(model, "_rtop_original_register_comm_hook")
@@ -405,6 +453,9 @@ class Probe:
             elif point.startswith(("commhook.", "ddptimer.")) and not self.comm.failed:
                 self.comm.fail(point, error if isinstance(error, BaseException)
                                else RuntimeError(error))
+            elif point.startswith("collectives.") and not self.comm.direct_failed:
+                self.comm.fail_direct(point, error if isinstance(error, BaseException)
+                                      else RuntimeError(error))
         except Exception:
             pass
 
@@ -480,6 +531,7 @@ class Probe:
             self._sender.control.close()
         except Exception as exc:
             log.debug("rtop: aborting the hub's actions failed: %r", exc)
+        collectives.release(self)  # torch's own collective methods back, first
         self._sender.stop(self.config.close_timeout_s if timeout is None else timeout)
         ddptimer.release(self)  # the model goes back to DDP's own sampling
 

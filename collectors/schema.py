@@ -22,15 +22,33 @@ STEP_FIELDS: Final = (
     "data_wait_s",  # blocked in the loader's next(); None when no loader is wrapped
     "compute_s",  # step body minus the collective time the body waited for
     "gpu_s",  # GPU time of the step body from CUDA events; None off CUDA
-    "comm_s",  # union of in-flight collective intervals; None when no DDP model watched
-    "comm_exposed_s",  # part of comm_s not hidden behind backward compute
-    "comm_bytes",  # bytes all-reduced during the step
-    "comm_calls",  # collectives (DDP buckets) launched during the step
+    "comm_s",  # union of in-flight collective intervals (every collective: DDP's
+    #            buckets, FSDP's, a user's own); None when not measured
+    "comm_exposed_s",  # part of comm_s the training thread waited for (not overlapped)
+    "comm_bytes",  # bytes the step's collectives moved (nccl-tests size convention)
+    "comm_calls",  # collectives (DDP buckets, other calls) launched during the step
     "algbw_Bps",  # comm_bytes / comm_s
-    "busbw_Bps",  # algbw * 2(n-1)/n, the nccl-tests convention
+    "busbw_Bps",  # sum of each collective's bytes x its nccl-tests factor / comm_s
+    #               (2(n-1)/n for an allreduce: algbw * 2(n-1)/n)
     "samples",  # samples in the batch, when the batch tells its size
     "gap_s",  # time between the previous step's end and this iteration's start
+    "collectives",  # the comm figures split by collective: {op: COLLECTIVE_FIGURES}
+    #                 (see COLLECTIVE_OPS); None when the step's collectives were all
+    #                 allreduces (a DDP model's, an older collector's): comm_s,
+    #                 comm_bytes, comm_calls and busbw_Bps are then the allreduce's
 )
+
+#: What the ``collectives`` field of a step holds per collective, in this order.
+COLLECTIVE_FIGURES: Final = (
+    "s",  # union of that collective's in-flight intervals in the step
+    "bytes",  # bytes it moved (nccl-tests size convention)
+    "calls",  # how many were launched
+    "busbw_Bps",  # bytes x its nccl-tests factor / s; None for one rank or no bytes
+)
+
+#: The collectives a step's ``collectives`` field names (``collectors.collectives``).
+COLLECTIVE_OPS: Final = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                         "broadcast", "reduce", "gather", "scatter", "barrier")
 
 #: NVML sample of the rank's own GPU, about once a second.
 GPU_FIELDS: Final = (
@@ -105,6 +123,7 @@ PHASES: Final = ("idle", "data", "compute", "comm", "checkpoint")
 #: its end: a row from an older collector stops before these and reads them as None.
 ADDED_FIELDS: Final = {
     "mem": ("process_bytes",),
+    "steps": ("collectives",),
 }
 
 #: Record tables by the key they travel under in a batch frame.

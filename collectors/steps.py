@@ -4,8 +4,10 @@ The training thread leaves one :data:`RawStep` tuple per finished step (timestam
 only). Here they become rows in the order of ``collectors.schema.STEP_FIELDS``:
 
 * :func:`step_row` computes a step's figures: its time, data wait, compute, and its
-  collective figures from whichever source timed them (the comm hook's buckets on the
-  CPU clock or on the GPU's, or DDP's own stamps: :func:`ddp_comm`).
+  collective figures from whichever sources timed them (a DDP model's allreduce: the
+  comm hook's buckets on the CPU clock or on the GPU's, or DDP's own stamps,
+  :func:`ddp_comm`; every other collective: ``collectors.collectives``), and the
+  step's per-collective split (its ``collectives`` field).
 * A step timed with CUDA events waits in :class:`PendingCudaSteps` until the GPU has
   passed all its events (``query()``, never a synchronize), or until a timeout, after
   which its GPU figures are sent as not measured.
@@ -20,16 +22,26 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from collectors.collectives import Call, StepCollectives, direct_calls, intersection
 from collectors.cuda_events import EventPool, seconds_between
 from collectors.timeline import comm_figures, span_comm_figures
 
+#: A step's collectives other than DDP's (``collectors.collectives``): ``(calls,
+#: blocked, complete)``: the calls ``[op, launch, done, nbytes, group_size, count]``,
+#: the intervals ``(start, end)`` the caller was blocked in them, and whether the DDP
+#: part is measured or absent (False: a DDP model's timing failed, so the step's total
+#: is not known); ``()``: timing them failed (not measured); None: not timed at all.
+Direct = "tuple[list[Any], list[Any], bool] | tuple[()] | None"
+
 #: A finished step as the training thread leaves it for the sender thread:
-#: (step, t_start, data_wait_s, t_enter, t_exit, samples, buckets, gap_s, cuda_pair);
-#: ``buckets`` is the comm hook's bucket list, or DDP's own stamps (a tuple, see
-#: ``collectors.ddptimer``), or None when the collectives are not timed.
+#: (step, t_start, data_wait_s, t_enter, t_exit, samples, buckets, gap_s, cuda_pair,
+#: direct); ``buckets`` is the comm hook's bucket list, or DDP's own stamps (a tuple,
+#: see ``collectors.ddptimer``), or None when a DDP model's allreduce is not timed;
+#: ``direct`` is :data:`Direct` (a 9-item tuple, from an older caller: None).
 RawStep = tuple[
     int, float, "float | None", float, float, "int | None", "list[Any] | tuple[int, ...] | None",
     "float | None", "tuple[Any, Any] | None",
+    "tuple[list[Any], list[Any], bool] | tuple[()] | None",
 ]
 
 #: A step's figures on the GPU: ``(gpu_s, buckets)``, the buckets as ``[launch, done,
@@ -65,24 +77,59 @@ class ClockMap:
         return self.wall0 + (pc - self.pc0)
 
 
+def ddp_span(stamps: tuple[int, ...], t_enter: float, t_exit: float
+             ) -> tuple[float, float, float] | None:
+    """DDP's stamps (``collectors.ddptimer``) as ``(first launch, last gradient, last
+    completion)`` on ``time.perf_counter``'s clock; None when they are unreadable.
+    Only for stamps of a synchronized backward that ran in this step (see
+    :func:`ddp_comm`)."""
+    start_ns, compute_end_ns, end_ns, _, exit_ns = stamps
+
+    def perf(ns: int) -> float:  # time.time_ns's clock to time.perf_counter's
+        return t_exit - (exit_ns - ns) / 1e9
+
+    if start_ns <= 0 or end_ns < start_ns:
+        return None
+    return (perf(start_ns), perf(compute_end_ns) if compute_end_ns > 0 else perf(start_ns),
+            perf(end_ns))
+
+
 def ddp_comm(stamps: tuple[int, ...], t_enter: float, t_exit: float, nbytes: int,
              world: int) -> CommFigures:
     """A step's collective figures from DDP's own stamps (``collectors.ddptimer``)."""
     if not stamps:
         return NO_COLLECTIVE  # no synchronized backward in this step
-    start_ns, compute_end_ns, end_ns, calls, exit_ns = stamps
-    if start_ns <= 0 or end_ns < start_ns:
+    span = ddp_span(stamps, t_enter, t_exit)
+    if span is None:
         return NOT_MEASURED
-
-    def perf(ns: int) -> float:  # time.time_ns's clock to time.perf_counter's
-        return t_exit - (exit_ns - ns) / 1e9
-
-    if perf(end_ns) < t_enter - 0.001:  # an earlier step's stamps: no allreduce here
+    if span[2] < t_enter - 0.001:  # an earlier step's stamps: no allreduce here
         return NO_COLLECTIVE
-    return span_comm_figures(
-        perf(start_ns), perf(compute_end_ns) if compute_end_ns > 0 else perf(start_ns),
-        perf(end_ns), nbytes, calls, world,
-    )
+    return span_comm_figures(span[0], span[1], span[2], nbytes, stamps[3], world)
+
+
+def _ddp_calls(buckets: list[Any] | tuple[int, ...], gpu_buckets: list[Any] | None,
+               t_enter: float, t_exit: float, nbytes: int, world: int
+               ) -> tuple[list[Call], list[tuple[float, float]]]:
+    """A DDP model's allreduce in a measured step as calls (``all_reduce``) and its
+    exposed intervals, as :func:`comm_figures` and :func:`ddp_comm` count them."""
+    if isinstance(buckets, tuple):
+        if not buckets:
+            return [], []
+        span = ddp_span(buckets, t_enter, t_exit)
+        if span is None or span[2] < t_enter - 0.001:
+            return [], []
+        start, last, end = span
+        return ([("all_reduce", start, max(start, end), nbytes, world, buckets[3])],
+                [(max(last, start), end)])
+    if gpu_buckets is not None:
+        entries = [(float(b[0]), float(b[1]), int(b[2])) for b in gpu_buckets]
+    else:
+        entries = [(b[0], b[1] if b[1] is not None else t_exit, b[2]) for b in buckets]
+    if not entries:
+        return [], []
+    last_launch = max(b[0] for b in entries)
+    return ([("all_reduce", b[0], b[1], b[2], world, 1) for b in entries],
+            [(max(b[0], last_launch), b[1]) for b in entries if b[1] > last_launch])
 
 
 def step_row(raw: RawStep, gpu: GpuTimes | None, clock: ClockMap, *, world: int,
@@ -92,26 +139,66 @@ def step_row(raw: RawStep, gpu: GpuTimes | None, clock: ClockMap, *, world: int,
     ``gpu`` is the step's resolved GPU times when it was timed with CUDA events (else
     None); ``world`` is the collective's size, ``nbytes`` what DDP's timer counts as
     one allreduce (``CommTiming``'s figures).
+
+    With direct collectives (``collectors.collectives``) in the step, ``comm_s`` is the
+    union of every collective's interval (DDP's included), ``comm_exposed_s`` the part
+    the caller spent blocked in them plus DDP's exposed part, ``busbw_Bps`` the sum of
+    each collective's bytes times its own nccl-tests factor, over ``comm_s``. The
+    ``collectives`` field splits the step by collective: ``{op: [s, bytes, calls,
+    busbw_Bps]}`` (``s`` the union of that collective's own intervals), None when no
+    collective was measured.
     """
-    step, t_start, wait, t_enter, t_exit, samples, buckets, gap, _ = raw
+    step, t_start, wait, t_enter, t_exit, samples, buckets, gap, _ = raw[:9]
+    direct = raw[9] if len(raw) > 9 else None
     body = t_exit - t_enter
     gpu_s = gpu[0] if gpu is not None else None
     comm: CommFigures = NOT_MEASURED
+    gpu_buckets = None
     if gpu is not None:
         if gpu[1] is not None and buckets is not None:
-            comm = comm_figures([tuple(b) for b in gpu[1]], world)
+            gpu_buckets = gpu[1]
+            comm = comm_figures([tuple(b) for b in gpu_buckets], world)
     elif isinstance(buckets, tuple):
         comm = ddp_comm(buckets, t_enter, t_exit, nbytes, world)
     elif buckets is not None:
         comm = comm_figures(
             [(b[0], b[1] if b[1] is not None else t_exit, b[2]) for b in buckets], world)
-    exposed = comm[1]
-    if gpu_s is not None:
-        compute = max(0.0, gpu_s - (exposed or 0.0))
+    lo, hi = (0.0, gpu_s or 0.0) if gpu is not None else (t_enter, t_exit)
+    ddp_ok = comm is not NOT_MEASURED and comm[0] is not None
+    exposed_in: float | None = comm[1]
+    split: dict[str, list[Any]] | None = None
+    if direct is None:  # only a DDP model's allreduce is timed (or nothing)
+        if ddp_ok and comm[3]:
+            split = {"all_reduce": [comm[0], comm[2], comm[3], comm[5]]}
+    elif not direct or (gpu is not None and gpu_s is None):
+        # timing the direct collectives failed, or their GPU events were never read
+        if ddp_ok and comm[3]:
+            split = {"all_reduce": [comm[0], comm[2], comm[3], comm[5]]}
+        comm, exposed_in = NOT_MEASURED, None
     else:
-        compute = max(0.0, body - min(exposed or 0.0, body))
+        entries, blocked, complete = direct
+        calls = direct_calls(entries, hi)
+        ddp_calls, ddp_exposed = _ddp_calls(buckets, gpu_buckets, t_enter, t_exit, nbytes,
+                                            world) if ddp_ok and buckets is not None \
+            else ([], [])
+        exposed = intersection([(c[1], c[2]) for c in calls], blocked) + ddp_exposed
+        figures = StepCollectives(ddp_calls + calls, exposed, lo, hi)
+        split = {row[0]: row[1:] for row in figures.split} or None
+        if not complete or (buckets is not None and not ddp_ok):
+            comm, exposed_in = NOT_MEASURED, None  # a part is missing: the total is unknown
+        elif calls:
+            comm, exposed_in = figures.comm, figures.exposed_in
+        elif buckets is None:
+            comm, exposed_in = NO_COLLECTIVE, 0.0  # timed, and none ran
+    if split is not None and comm[0] is not None and list(split) == ["all_reduce"]:
+        split = None  # only allreduces: the step's own comm figures are theirs (schema)
+    if gpu_s is not None:
+        compute = max(0.0, gpu_s - min(exposed_in or 0.0, gpu_s))
+    else:
+        compute = max(0.0, body - min(exposed_in or 0.0, body))
     step_s = (t_exit - t_start) + (gap or 0.0)
-    return [step, clock.wall(t_start), step_s, wait, compute, gpu_s, *comm, samples, gap]
+    return [step, clock.wall(t_start), step_s, wait, compute, gpu_s, *comm, samples, gap,
+            split]
 
 
 def _is_time(value: Any) -> bool:
@@ -135,14 +222,41 @@ def bucket_events(buckets: list[Any]) -> list[Any]:
             if e is not None and not _is_time(e)]
 
 
-class PendingCudaStep:
-    """One CUDA-timed step waiting for the GPU: its raw record and when it was queued."""
+def direct_events(direct: Any) -> list[Any]:
+    """The CUDA events among a step's direct collectives (:data:`Direct`)."""
+    if not direct:
+        return []
+    entries, blocked, _ = direct
+    return [e for x in entries for e in (x[1], x[2]) if e is not None and not _is_time(e)] \
+        + [e for b in blocked for e in b if e is not None and not _is_time(e)]
 
-    __slots__ = ("queued", "raw")
+
+def host_direct(direct: Any) -> bool:
+    """Whether a step's direct collectives were all timed on the host clock."""
+    if not direct:
+        return True
+    entries, blocked, _ = direct
+    return all(_is_time(x[1]) and (x[2] is None or _is_time(x[2])) for x in entries) \
+        and all(_is_time(b[0]) and _is_time(b[1]) for b in blocked)
+
+
+def _with_direct(raw: RawStep, direct: Any) -> RawStep:
+    """``raw`` with its direct collectives replaced."""
+    return (*raw[:9], direct)
+
+
+class PendingCudaStep:
+    """One CUDA-timed step waiting for the GPU: its raw record and when it was queued.
+
+    Once resolved, :attr:`direct` holds its direct collectives (:data:`Direct`) in
+    seconds from the step's start event, or ``()`` when they could not be read."""
+
+    __slots__ = ("direct", "queued", "raw")
 
     def __init__(self, raw: RawStep, queued: float) -> None:
         self.raw = raw
         self.queued = queued
+        self.direct: Any = raw[9] if len(raw) > 9 and not raw[9] else ()
 
     def buckets(self) -> list[Any]:
         """The comm hook's bucket entries of the step (``[launch, done, nbytes]``)."""
@@ -150,10 +264,19 @@ class PendingCudaStep:
         return buckets if isinstance(buckets, list) else []
 
     def events(self) -> list[Any]:
-        """Every CUDA event of the step: its start and end, then each bucket's two."""
+        """Every CUDA event of the step: its start and end, then each bucket's two, then
+        its direct collectives' (launch, completion, and each blocked span's two)."""
         pair = self.raw[8]
         assert pair is not None
-        return [pair[0], pair[1], *bucket_events(self.buckets())]
+        direct = self.raw[9] if len(self.raw) > 9 else None
+        return [pair[0], pair[1], *bucket_events(self.buckets()), *direct_events(direct)]
+
+    def resolved(self) -> RawStep:
+        """The raw step with its direct collectives on the GPU timeline (see
+        :attr:`direct`), for :func:`step_row`."""
+        if len(self.raw) <= 9:
+            return self.raw
+        return _with_direct(self.raw, self.direct)
 
     def resolve(self, pool: EventPool | None,
                 on_error: Callable[[BaseException], None] | None = None) -> GpuTimes | None:
@@ -182,13 +305,35 @@ class PendingCudaStep:
                     ]
                     for b in buckets
                 ]
+            self.direct = self._resolve_direct(start, gpu_s)
         except Exception as exc:
+            self.direct = ()
             if on_error is not None:
                 on_error(exc)
             return None, None
         if pool is not None:
             pool.release(*events)
         return gpu_s, gpu_buckets
+
+    def _resolve_direct(self, start: Any, gpu_s: float) -> Any:
+        direct = self.raw[9] if len(self.raw) > 9 else None
+        if not direct:
+            return direct
+        entries, blocked, complete = direct
+
+        def event(e: Any) -> bool:
+            return e is not None and not _is_time(e)
+
+        if not all(event(x[1]) and (x[2] is None or event(x[2])) for x in entries) \
+                or not all(event(b[0]) and event(b[1]) for b in blocked):
+            return ()  # an event that could not be recorded (the pool failed)
+        return (
+            [[x[0], seconds_between(start, x[1]),
+              seconds_between(start, x[2]) if x[2] is not None else gpu_s, x[3], x[4], x[5]]
+             for x in entries],
+            [(seconds_between(start, b[0]), seconds_between(start, b[1])) for b in blocked],
+            complete,
+        )
 
 
 class PendingCudaSteps:
@@ -230,7 +375,7 @@ class PendingCudaSteps:
                     return
                 resolved = (None, None)
             queue.popleft()
-            yield pending.raw, resolved
+            yield pending.resolved(), resolved
 
 
 class CollectiveWatch:
@@ -303,11 +448,19 @@ class StepRecords:
                 self.pending.add(raw, now)
                 continue
             buckets = raw[6]
+            direct = raw[9] if len(raw) > 9 else None
             if isinstance(buckets, list) and buckets and host_buckets(buckets) is None:
                 # CUDA events in a host-timed step: not measured, the events go back
                 if pool is not None:
                     pool.release(*bucket_events(buckets))
                 raw = (*raw[:6], None, *raw[7:])
+                if direct:  # and the step's total with them
+                    direct = (direct[0], direct[1], False)
+                    raw = _with_direct(raw, direct)
+            if direct and not host_direct(direct):
+                if pool is not None:
+                    pool.release(*direct_events(direct))
+                raw = _with_direct(raw, ())
             self._row(rows, raw, None, world, nbytes)
         if self.pending:
             for raw, gpu in self.pending.ready(now, pool, final, self.on_error):

@@ -191,6 +191,27 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("address", nargs="?", help="hub host:port (default: discover)")
     _add_token_args(token, "the discovered hub's")
 
+    run = sub.add_parser(
+        "run", help="run a command with every Python process it starts instrumented "
+                    "(no code change)",
+        usage="rtop run [-h] [--record PATH] [--hub HOST:PORT] "
+              "[--token-file PATH | --token TOKEN] -- CMD ARGS...",
+        description="Run CMD with every Python process it starts instrumented, without "
+                    "changing their code (python train.py, torchrun ... train.py): data "
+                    "wait in DataLoader, a step per optimizer step, DDP's allreduce, FSDP. "
+                    "A hub for the command unless --hub or RTOP_HUB names one; the "
+                    "recording's path is printed at the end. Signals are forwarded to CMD, "
+                    "and rtop run exits with its exit code.")
+    run.add_argument("--record", default=None, metavar="PATH",
+                     help="recording file (default: $RTOP_RUNS_DIR or "
+                          "~/.local/share/rtop/runs/<job>-<time>-<pid>.rtop)")
+    run.add_argument("--hub", default=None, metavar="HOST:PORT",
+                     help="send to this hub instead of one of rtop run's own (default: "
+                          "$RTOP_HUB if set); it records where it was told")
+    _add_token_args(run, "for --hub, that hub's (master or ingest); else a fresh one")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
+                     help="the command to run")
+
     demo = sub.add_parser(
         "demo", help="run a real Ray Train job with an injected fault and watch it",
         description="Start a real Ray Train TorchTrainer job on CPU (DDP over gloo, a small "
@@ -245,6 +266,10 @@ def _run(args: argparse.Namespace) -> int:
         return cmd_attach(args)
     if args.command == "replay":
         return cmd_replay(args)
+    if args.command == "run":
+        from rtop.launch import main as run_main
+
+        return run_main(args.cmd, record=args.record, hub=args.hub, token=resolve_token(args))
     if args.command == "demo":
         from rtop import demo
 

@@ -1,7 +1,10 @@
 """``rtop report RUN``: what each rank did over a whole recorded run.
 
 Per rank (of each attempt): medians over the run of the step figures, GPU utilization
-and memory where measured, peak memory and the headroom left; then the findings. A
+and memory where measured, peak memory and the headroom left, and the step's
+collectives split by collective (``collectives``: per collective, the medians of its
+per-step time, bytes, calls and bus bandwidth over the steps in which it ran, and how
+many steps those were); then the findings. A
 figure that was never measured is ``null`` in JSON (``n/a`` in text), never 0. Works on
 a recording still being written: it reads up to the last whole frame.
 """
@@ -16,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from collectors import wire
-from collectors.schema import GPU_FIELDS, MEM_FIELDS, STEP_FIELDS
+from collectors.schema import COLLECTIVE_FIGURES, GPU_FIELDS, MEM_FIELDS, STEP_FIELDS
 from rtop.analysis import AnalysisConfig, Monitor
 from rtop.fmt import fixed, safe_text
 from rtop.run.recording import ReadResult, replay
-from rtop.run.state import RankState, RunState
+from rtop.run.state import RankState, RunState, step_split
 
 #: Step fields summarised as medians over the run.
 MEDIAN_STEP_FIELDS = ("step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
@@ -48,6 +51,8 @@ class _Acc:
         self.first_step: int | None = None
         self.last_step: int | None = None
         self.checkpoints: list[float] = []
+        #: per collective: its figures per step it ran in (COLLECTIVE_FIGURES order)
+        self.collectives: dict[str, list[array[float]]] = {}
 
     def add_batch(self, p: dict[str, Any]) -> None:
         for row in p.get("steps") or []:
@@ -60,6 +65,12 @@ class _Acc:
                 v = row[_S[f]]
                 if isinstance(v, (int, float)):
                     self.steps[f].append(float(v))
+            for op, figures in (step_split(row) or {}).items():
+                arrays = self.collectives.get(op)
+                if arrays is None:
+                    arrays = self.collectives[op] = [array("d") for _ in COLLECTIVE_FIGURES]
+                for arr, v in zip(arrays, figures, strict=True):
+                    arr.append(float("nan") if v is None else float(v))
         for row in p.get("gpu") or []:
             for arr, key in ((self.gpu_util, "util_pct"), (self.gpu_mem, "mem_used_bytes"),
                              (self.gpu_power, "power_w"), (self.gpu_clock, "sm_clock_mhz")):
@@ -83,6 +94,7 @@ class _Acc:
 
 
 def _median(values: array[float]) -> float | int | None:
+    values = array("d", (v for v in values if v == v))  # NaN: not measured
     if not len(values):
         return None
     med = statistics.median(values)
@@ -117,6 +129,12 @@ def _rank_entry(rs: RankState, acc: _Acc) -> dict[str, Any]:
     entry["param_bytes"], entry["grad_bytes"], entry["optim_bytes"] = acc.static
     entry["checkpoints"] = len(acc.checkpoints)
     entry["checkpoint_s"] = statistics.median(acc.checkpoints) if acc.checkpoints else None
+    entry["collectives"] = {
+        op: {"s": _median(arrays[0]), "bytes": _median(arrays[1]),
+             "calls": _median(arrays[2]), "busbw_Bps": _median(arrays[3]),
+             "steps": len(arrays[0])}
+        for op, arrays in sorted(acc.collectives.items(),
+                                 key=lambda kv: -(_median(kv[1][0]) or 0.0))}
     entry["dropped_records"] = rs.dropped
     entry["clock_offset_s"] = rs.offset_s
     return entry

@@ -42,6 +42,44 @@ class FaultyClock:
         return getattr(time, name)
 
 
+class FaultyClockIn(FaultyClock):
+    """A ``FaultyClock`` whose ``perf_counter`` raises once armed, only when called from
+    the function named ``where`` (a completion callback runs on gloo's own thread, so
+    counting calls would race)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where = ""
+
+    def arm_in(self, where: str) -> None:
+        self.armed, self.countdown, self.where = True, 0, where
+
+    def perf_counter(self) -> float:
+        import sys
+
+        if self.armed and sys._getframe(1).f_code.co_name == self.where:
+            self.armed = False
+            self.fired += 1
+            raise RuntimeError("injected fault")
+        return time.perf_counter()
+
+
+#: The function of ``collectors.collectives`` whose clock reading fails, per point.
+COLLECTIVE_FAULTS = {"collectives.launch": "_launch", "collectives.done": "on_done",
+                     "collectives.wait": "rtop_wait"}
+
+
+def _own_collectives(rank: int, step: int) -> None:
+    """A user's own collectives inside the step: a synchronous allreduce, and an
+    asynchronous broadcast waited on."""
+    import torch.distributed as dist
+
+    t = torch.full((64,), float(rank + step))
+    dist.all_reduce(t)
+    work = dist.broadcast(torch.zeros(16), src=0, async_op=True)
+    work.wait()
+
+
 class FaultyLogger:
     """DDP's logger, whose update raises once armed."""
 
@@ -95,17 +133,20 @@ def _unwatched(rank: int) -> list[torch.Tensor]:
 
 def _scenario(point: str, rank: int) -> dict[str, Any]:
     import collectors
-    from collectors import commhook, ddptimer
+    from collectors import collectives, commhook, ddptimer
     from collectors import probe as probe_module
     from collectors.cuda_events import torch_cuda_pool
     from collectors.identity import detect
     from tests.fakecuda import FakeCuda
 
     clocks = {name: FaultyClock() for name in ("probe", "commhook", "ddptimer")}
-    saved = (probe_module.time, commhook.time, ddptimer.time)
+    direct_clock = FaultyClockIn()
+    clocks["collectives"] = direct_clock
+    saved = (probe_module.time, commhook.time, ddptimer.time, collectives.time)
     probe_module.time = clocks["probe"]  # type: ignore[assignment]
     commhook.time = clocks["commhook"]  # type: ignore[assignment]
     ddptimer.time = clocks["ddptimer"]  # type: ignore[assignment]
+    collectives.time = direct_clock  # type: ignore[assignment]
     try:
         mode = "ddp" if point.startswith("ddptimer.") else "hook"
         model = torch.nn.parallel.DistributedDataParallel(_model())
@@ -144,6 +185,10 @@ def _scenario(point: str, rank: int) -> dict[str, Any]:
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                if point in COLLECTIVE_FAULTS:
+                    if arm:
+                        direct_clock.arm_in(COLLECTIVE_FAULTS[point])
+                    _own_collectives(rank, i)
                 fake.run(0, 1.0)
                 if arm and point == "step.exit":
                     clocks["probe"].arm()
@@ -158,11 +203,14 @@ def _scenario(point: str, rank: int) -> dict[str, Any]:
             "off": sorted(probe.faults.off), "notes": list(probe.notes),
             "comm": [r[6] is not None for r in probe.records],
             "cuda": [r[8] is not None for r in probe.records],
+            # the user's own collectives timed (before the fault), not (from it on)
+            "direct": [bool(r[9]) for r in probe.records],
         }
         probe.close(0.5)
         del model
     finally:
-        probe_module.time, commhook.time, ddptimer.time = saved  # type: ignore[assignment]
+        (probe_module.time, commhook.time, ddptimer.time,  # type: ignore[assignment]
+         collectives.time) = saved
     result["same"] = all(torch.equal(a, b) for a, b in
                          zip(params, _unwatched(rank), strict=True))
     return result

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rtop.hub",),
     ("rtop.client", "rtop.report", "rtop.discovery", "rtop.actions"),
     ("rtop.tui",),
-    ("rtop.cli", "rtop.demo", "rtop.workload", "rtop.__main__"),
+    ("rtop.cli", "rtop.demo", "rtop.launch", "rtop.workload", "rtop.__main__"),
 )
 
 

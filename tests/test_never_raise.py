@@ -50,6 +50,9 @@ def test_a_fault_at_each_point_never_reaches_the_job(results, point):
             assert not any(r["comm"][at + 1:])
         if point == "cuda.record":
             assert r["cuda"][:at] == [True] * at and not any(r["cuda"][at:])
+        if feature == "direct collective timing":
+            # the user's own collectives timed before the fault, untimed from it on
+            assert r["direct"][:at] == [True] * at and not any(r["direct"][at + 1:])
 
 
 def test_the_jobs_own_errors_still_reach_it():

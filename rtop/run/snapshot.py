@@ -236,6 +236,18 @@ class Snapshot(TypedDict):
     replay: NotRequired[ReplayInfo]
 
 
+class CollectiveFigures(TypedDict):
+    """One collective of a rank (``all_gather``, ``reduce_scatter``, ``all_reduce``,
+    ...): medians over the recent steps in which it ran (``collectors.schema.
+    COLLECTIVE_FIGURES``)."""
+
+    s: float | None  # its in-flight time per step (union of its intervals)
+    bytes: float | None  # bytes per step (nccl-tests size convention)
+    calls: float | None  # calls per step
+    busbw_Bps: float | None  # its bus bandwidth (nccl-tests factor for that collective)
+    steps: int  # how many of the recent steps it ran in
+
+
 class RankDetail(TypedDict):
     """One rank of the current attempt in full (``found`` is False if it is unknown)."""
 
@@ -254,3 +266,5 @@ class RankDetail(TypedDict):
     summary: NotRequired[dict[str, float | None]]  # medians kept once its window is freed
     steps: NotRequired[dict[str, Column]]  # step history, one column per field
     samples: NotRequired[dict[str, Column]]  # sample history, one column per field
+    #: the step's collectives split by collective, over its recent steps (worst first)
+    collectives: NotRequired[dict[str, CollectiveFigures]]

@@ -15,7 +15,9 @@ what is kept is bounded:
   255 characters (hostname, job, group, node id), no map where a string belongs;
 * rows: as many values as their table (``collectors.schema``) has fields, numbers where
   numbers belong, at most ``MAX_ROWS`` per table per batch; a number that is not
-  finite (inf, nan) or beyond ±2**64 is "not measured" (None), like a missing one;
+  finite (inf, nan) or beyond ±2**64 is "not measured" (None), like a missing one; a
+  step's ``collectives`` a map of at most ``MAX_OPS`` collectives (names made safe),
+  each with its four figures;
 * names and other strings (hostnames, job and node names, the phase, notes, errors):
   control characters, Unicode format characters and line separators are replaced with
   U+FFFD and lengths are capped (:func:`rtop.fmt.safe_text`), so a name cannot retitle a
@@ -34,7 +36,9 @@ what is kept is bounded:
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Final, TypedDict, cast
@@ -45,6 +49,7 @@ from collectors import wire
 from collectors.identity import Identity
 from collectors.schema import (
     ADDED_FIELDS,
+    COLLECTIVE_FIGURES,
     EVENT_FIELDS,
     GPU_FIELDS,
     HEARTBEAT_FIELDS,
@@ -55,6 +60,7 @@ from collectors.schema import (
 from rtop.fmt import safe_text
 from rtop.run.ring import FIRST_BLOCK, Rings, nanmedian_rows
 from rtop.run.snapshot import (
+    CollectiveFigures,
     NodeColumns,
     ProbeLinks,
     RankColumns,
@@ -120,6 +126,10 @@ MAX_WORLD: Final = 1 << 20
 MAX_RANKS: Final = 16384
 #: The most rows of one table in one batch (a collector sends at most a few thousand).
 MAX_ROWS: Final = 1 << 16
+#: The most collectives a step's ``collectives`` map may name.
+MAX_OPS: Final = 16
+#: Recent steps whose per-collective figures a rank keeps (for its detail).
+COLLECTIVE_STEPS: Final = 64
 #: Strings: names (hostname, job, group, node id), short words (a phase, a device), the
 #: notes and other strings of ``meta``, an error message, a Python stack.
 MAX_NAME: Final = 255
@@ -159,6 +169,12 @@ _TABLES: Final[dict[str, tuple[tuple[str, ...], tuple[_StrSpec | None, ...]]]] =
 #: Per table, the indices of its string fields.
 _STRINGS: Final = {name: frozenset(j for j, k in enumerate(kinds) if k is not None)
                    for name, (_, kinds) in _TABLES.items()}
+#: Per table, the indices of its map fields (a step's ``collectives``).
+_MAPS: Final = {name: frozenset(j for j, f in enumerate(fields) if f == "collectives")
+                for name, (fields, _) in _TABLES.items()}
+_S_COLL: Final = STEP_FIELDS.index("collectives")
+_S_COMM: Final = tuple(STEP_FIELDS.index(f) for f in ("comm_s", "comm_bytes", "comm_calls",
+                                                       "busbw_Bps"))
 
 
 def _what(x: Any) -> str:
@@ -269,6 +285,82 @@ def clean_meta(meta: Any) -> dict[str, Any]:
     return out
 
 
+def clean_split(where: str, x: Any) -> dict[str, list[float | int | None]] | None:
+    """A step's ``collectives`` map (``{op: [s, bytes, calls, busbw_Bps]}``), checked:
+    at most ``MAX_OPS`` names made safe, each with its four figures as numbers or None
+    (a non-finite one is "not measured"); None stays None."""
+    if x is None:
+        return None
+    if not isinstance(x, dict):
+        raise ProtocolError(f"{where} must be a map of collectives, got {_what(x)}")
+    if len(x) > MAX_OPS:
+        raise ProtocolError(f"{where} names {len(x)} collectives (at most {MAX_OPS})")
+    out: dict[str, list[float | int | None]] = {}
+    for op, figures in x.items():
+        if not isinstance(op, str):
+            raise ProtocolError(f"{where} has a key that is not a string: {_what(op)}")
+        if type(figures) is not list or len(figures) != len(COLLECTIVE_FIGURES):
+            raise ProtocolError(f"{where}: '{safe_text(op, MAX_WORD)}' must be a list of "
+                                f"{len(COLLECTIVE_FIGURES)} numbers")
+        name = safe_text(op, MAX_WORD)
+        out[name] = [_number(f"{where}: '{name}'", v) for v in figures]
+    return out
+
+
+def step_split(row: list[Any]) -> dict[str, list[float | int | None]] | None:
+    """A checked step row's per-collective figures: its ``collectives`` map, or, when
+    it has none, its own comm figures as the allreduce's (the step's collectives were
+    all allreduces: a DDP model's, or an older collector's); None when it ran none."""
+    split = row[_S_COLL]
+    if split is not None:
+        return split  # type: ignore[no-any-return]
+    calls = row[_S_COMM[2]]
+    if isinstance(calls, int) and calls > 0:
+        return {"all_reduce": [row[j] for j in _S_COMM]}
+    return None
+
+
+class CollectiveWindow:
+    """One rank's per-collective figures over its last ``keep`` steps: per collective
+    a flat ring of ``len(COLLECTIVE_FIGURES)`` floats a step (NaN: not measured)."""
+
+    __slots__ = ("keep", "rings")
+
+    def __init__(self, keep: int = COLLECTIVE_STEPS) -> None:
+        self.keep = keep
+        #: op -> [ring, next slot, steps held]
+        self.rings: dict[str, list[Any]] = {}
+
+    def add(self, split: dict[str, list[float | int | None]]) -> None:
+        """One step's figures (:func:`step_split`)."""
+        width = len(COLLECTIVE_FIGURES)
+        for op, figures in split.items():
+            entry = self.rings.get(op)
+            if entry is None:
+                if len(self.rings) >= MAX_OPS:
+                    continue
+                entry = self.rings[op] = [array("d", [_NAN]) * (self.keep * width), 0, 0]
+            ring, at = entry[0], entry[1] * width
+            for k, v in enumerate(figures):
+                ring[at + k] = _NAN if v is None else float(v)
+            entry[1] = (entry[1] + 1) % self.keep
+            entry[2] = min(self.keep, entry[2] + 1)
+
+    def medians(self) -> dict[str, CollectiveFigures]:
+        """Per collective, the median of each figure over the steps held in which it
+        ran, most time first."""
+        width = len(COLLECTIVE_FIGURES)
+        out: list[tuple[float, str, CollectiveFigures]] = []
+        for op, (ring, _, n) in self.rings.items():
+            med: list[float | None] = []
+            for k in range(width):
+                vals = [v for v in ring[k:n * width:width] if not math.isnan(v)]
+                med.append(statistics.median(vals) if vals else None)
+            out.append((-(med[0] or 0.0), op, CollectiveFigures(
+                s=med[0], bytes=med[1], calls=med[2], busbw_Bps=med[3], steps=n)))
+        return {op: figures for _, op, figures in sorted(out)}
+
+
 def _num(x: Any) -> float:
     """A checked row's number (see :func:`_check_rows`) for an array: None is NaN."""
     out: float = _NAN if x is None else x
@@ -291,6 +383,7 @@ def _check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any
         raise ProtocolError(f"'{name}' has {len(rows)} rows in one batch (at most "
                             f"{MAX_ROWS})")
     strings = _STRINGS[name]
+    maps = _MAPS[name]
     for i, r in enumerate(rows):
         if type(r) is not list or not oldest <= len(r) <= width:
             n = len(r) if type(r) is list else _what(r)
@@ -303,9 +396,11 @@ def _check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any
             if t is float:
                 if not -_BIG <= v <= _BIG:  # inf, nan, absurd: not measured
                     r[j] = None
-            elif t is not int and v is not None and j not in strings:
+            elif t is not int and v is not None and j not in strings and j not in maps:
                 raise ProtocolError(f"'{name}' row {i}: '{fields[j]}' must be a number, "
                                     f"got {_what(v)}")
+        for j in maps:
+            r[j] = clean_split(f"'{name}' row {i}: '{fields[j]}'", r[j])
         for j in strings:
             v = r[j]
             if v is not None:
@@ -355,6 +450,8 @@ class RankState:
     #: time between batches at least a second apart)
     rtop_cpu: float | None = None
     cpu_mark: tuple[float, float] | None = None  # (cpu_s, t_hub) of the last estimate
+    #: its recent steps split by collective (made at its first step that ran one)
+    collectives: CollectiveWindow | None = None
 
     @property
     def rank(self) -> int:
@@ -660,6 +757,11 @@ class RunState:
             for row in steps:
                 self.steps.append(slot, [_NAN if (v := row[j]) is None else v
                                          for j in _STEP_PICK])
+                split = step_split(row)
+                if split is not None:
+                    if rs.collectives is None:
+                        rs.collectives = CollectiveWindow()
+                    rs.collectives.add(split)
         if steps:
             if rs.warm_wall is None:
                 self._warm_up(rs, steps)
@@ -928,6 +1030,7 @@ class RunState:
             "status": rs.status, "meta": rs.meta, "stack": rs.stack,
             "events": list(rs.events), "offset_s": rs.offset_s, "gpu": rs.gpu,
             "host": rs.host, "mem": rs.mem, "hb": rs.hb, "summary": rs.summary,
+            "collectives": rs.collectives.medians() if rs.collectives is not None else {},
         }
         if rs.slot is not None:
             detail["steps"] = {f: column(self.steps.history(f, rs.slot))

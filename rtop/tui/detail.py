@@ -15,7 +15,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Sparkline, Static
 
-from rtop.fmt import NA, fixed, fmt_bytes, fmt_ms, fmt_pct, num, safe_text
+from rtop.fmt import NA, fixed, fmt_bytes, fmt_ms, fmt_pct, fmt_rate, num, safe_text
 from rtop.run.snapshot import Column, RankDetail, Snapshot
 from rtop.tui.model import growth_forecast, memory_split, rank_rows
 
@@ -86,6 +86,25 @@ def memory_legend(detail: RankDetail) -> Text:
         text.append("Figures: used = the process's resident memory; peak = its high-water "
                     "mark; capacity = the machine's memory or the cgroup's limit, whichever "
                     "is smaller.", "dim")
+    return text
+
+
+def collective_split(detail: RankDetail) -> Text:
+    """The rank's collectives one by one (median per step over its recent steps in
+    which each ran): time, bytes, calls, bus bandwidth. Empty when it ran allreduces
+    only (a DDP job: the "allreduce" series above is theirs) or none."""
+    split = detail.get("collectives") or {}
+    text = Text()
+    if set(split) <= {"all_reduce"}:
+        return text
+    text.append("Collectives", "bold")
+    text.append(" (median per step, over the recent steps each ran in)\n", "dim")
+    for op, f in list(split.items())[:16]:
+        calls = num(f.get("calls"))
+        text.append(f"  {safe_text(op, 64):<15}", "bold")
+        text.append(f"{fmt_ms(f.get('s')):>7} ms {fmt_bytes(f.get('bytes')):>9}  "
+                    f"{NA if calls is None else f'{calls:g}':>4} calls  busbw "
+                    f"{fmt_rate(f.get('busbw_Bps')):>11}  ({f.get('steps', 0)} steps)\n")
     return text
 
 
@@ -267,7 +286,7 @@ class RankScreen(Screen[None]):
             st.append(safe_text(str(stack), 20000, multiline=True, keep_end=True).rstrip())
         self.query_one("#stack", Static).update(st)
         events = d.get("events") or []
-        ev = Text()
+        ev = collective_split(d)
         if events:
             ev.append("Events\n", "bold")
             for e in events[-8:]:

@@ -1,0 +1,470 @@
+"""Every collective timed, whoever calls it: FSDP2's, FSDP1's, a user's own.
+
+Where it hooks, and why there. Every collective function of ``torch.distributed``
+(``all_reduce``, ``broadcast``, ``all_gather_single`` and its old name
+``all_gather_into_tensor``, ``reduce_scatter_single`` and ``reduce_scatter_tensor``,
+``all_to_all_single``, the list forms, the coalesced forms) ends in one method of the
+group's C++ ``ProcessGroup`` (``group.allreduce``, ``group.all_gather_single``,
+``group.reduce_scatter_single``, ``group.alltoall_base``, ...), whatever Python name
+the caller used: FSDP2 in torch 2.13 calls ``dist.all_gather_single`` and
+``dist.reduce_scatter_single``, FSDP1 ``dist.all_gather_single`` (``dist.all_gather``
+on CPU) and ``dist.reduce_scatter_single``. So, while a probe watches, rtop replaces
+those methods on the ``ProcessGroup`` class with thin wrappers (:data:`METHODS`), and
+``Work.wait`` with one that notes how long the caller was blocked; :func:`release`
+puts the originals back. Nothing else is touched and nothing synchronises:
+
+* at the call, the wrapper counts the bytes (the nccl-tests convention: the buffer of
+  an allreduce or broadcast, the full output of an all-gather, the full input of a
+  reduce-scatter, the input of an all-to-all) and marks the launch: a
+  ``time.perf_counter()`` reading on CPU, a pooled CUDA event on the watched model's
+  device on GPU (``collectors.cuda_events``, resolved later by the sender thread);
+* a callback on the work's future marks the completion, as rtop's DDP comm hook
+  does: on CPU when gloo's thread finishes it, on GPU an event that the GPU passes
+  once the collective is done (the future runs its callbacks on a stream that waits
+  for it). On CPU a synchronous call (``async_op=False``: ``torch.distributed``
+  waits on the work as soon as the group returns it) is marked complete when that
+  ``wait()`` returns instead: a future callback runs on gloo's thread, and handing
+  it the GIL costs several microseconds a call;
+* ``Work.wait()`` is marked before and after (on GPU, events on the current stream:
+  the span in which that stream waits for the collective). On CPU the call itself is
+  blocked time too (a synchronous gloo collective may run inside it).
+
+A collective's time is its launch-to-completion interval; the step's ``comm_s`` is
+the union of every interval (DDP's buckets included); ``comm_exposed_s`` is the part
+of that union during which the caller was blocked (the intersection with the blocked
+intervals) plus DDP's own exposed part: an asynchronous collective that completes
+while the training thread computes is overlapped, not exposed.
+
+What is not seen here: collectives launched from C++ (DDP's reducer: timed by
+``collectors.ddptimer`` or ``collectors.commhook``; functional collectives,
+``torch.ops._c10d_functional``, as traced by ``torch.compile``), point-to-point
+``send``/``recv``, and a backend's own methods called directly
+(``group._get_backend(device).allreduce(...)``). A collective that a DDP model's comm
+hook launches is DDP's (already timed there) and is not counted twice: while a DDP
+model's allreduce is timed, a call made from inside one of its registered comm hooks
+(found in the caller's frames) is left alone.
+
+Costs on the training thread: nothing while no probe watches (the class holds torch's
+own methods); a few microseconds per collective call and per ``wait()`` while one
+does. Every wrapper guards rtop's part (``collectors.guard``: points
+``collectives.launch``, ``collectives.done``, ``collectives.wait``): an error there
+turns this timing off for the rest of the run, and the collective runs as it would
+have.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from collectors.schema import COLLECTIVE_OPS
+from collectors.timeline import union_length
+
+if TYPE_CHECKING:
+    from collectors.handover import CommTiming
+    from collectors.probe import Probe
+
+log = logging.getLogger("collectors")
+
+#: ``ProcessGroup`` method -> (collective, the positional argument whose tensors are
+#: counted, its keyword names, multiplier of those bytes by the group's size). Bytes
+#: follow nccl-tests (``src/*.cu``): an allreduce, broadcast or reduce moves its
+#: buffer; an all-gather its whole output (count x ranks); a reduce-scatter its whole
+#: input; an all-to-all its input buffer; a gather or scatter its root's full buffer.
+METHODS: Final[dict[str, tuple[str, int, tuple[str, ...], bool]]] = {
+    "allreduce": ("all_reduce", 0, ("tensors", "tensor"), False),
+    "allreduce_coalesced": ("all_reduce", 0, ("tensors",), False),
+    "broadcast": ("broadcast", 0, ("tensors", "tensor"), False),
+    "reduce": ("reduce", 0, ("tensors", "tensor"), False),
+    "all_gather_single": ("all_gather", 0, ("output",), False),
+    "_allgather_base": ("all_gather", 0, ("output",), False),
+    "allgather": ("all_gather", 0, ("output_tensors",), False),
+    "allgather_coalesced": ("all_gather", 0, ("output_lists",), False),
+    "allgather_into_tensor_coalesced": ("all_gather", 0, ("outputs",), False),
+    "all_gather_single_coalesced": ("all_gather", 0, ("outputs",), False),
+    "reduce_scatter_single": ("reduce_scatter", 1, ("inputTensor",), False),
+    "_reduce_scatter_base": ("reduce_scatter", 1, ("inputTensor",), False),
+    "reduce_scatter": ("reduce_scatter", 1, ("input_tensors",), False),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1, ("inputs",), False),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", 1, ("inputs",), False),
+    "alltoall_base": ("all_to_all", 1, ("input",), False),
+    "all_to_all_single": ("all_to_all", 1, ("input",), False),
+    "alltoall": ("all_to_all", 1, ("input_tensors",), False),
+    "gather": ("gather", 1, ("input_tensors",), True),
+    "scatter": ("scatter", 0, ("output_tensors",), True),
+    "barrier": ("barrier", -1, (), False),
+}
+
+#: The collectives, in the order the UI and the report list them.
+OPS: Final = COLLECTIVE_OPS
+
+#: A step keeps at most this many collective calls and blocked intervals.
+MAX_CALLS_PER_STEP = 4096
+#: How far up the caller's frames a DDP comm hook is looked for.
+HOOK_FRAMES = 12
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus bandwidth factor of ``op`` over ``n`` ranks: ``busbw = algbw x
+    factor``; 2(n-1)/n for an allreduce, (n-1)/n for an all-gather, reduce-scatter,
+    all-to-all, gather and scatter, 1 for a broadcast and a reduce; 0 for one rank
+    (nothing crosses a link) and for a barrier (no bytes)."""
+    if n < 2 or op == "barrier":
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    return (n - 1) / n
+
+
+def tensor_bytes(x: Any, depth: int = 0) -> int:
+    """Bytes of a tensor, or of the tensors in a (nested) list of them."""
+    numel = getattr(x, "numel", None)
+    if numel is not None:
+        return int(numel()) * int(x.element_size())
+    if depth < 2 and isinstance(x, (list, tuple)):
+        return sum(tensor_bytes(t, depth + 1) for t in x)
+    return 0
+
+
+# ---- what a step's collectives add up to (pure; on the sender thread) ----------------
+
+#: One collective in a step: ``(op, start, end, nbytes, group_size, count)``; ``count``
+#: is how many calls it stands for (DDP's timer gives one span for all its buckets).
+Call = tuple[str, float, float, int, int, int]
+
+
+def _merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals covering the same time."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def intersection(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]
+                 ) -> list[tuple[float, float]]:
+    """The time covered by both ``a`` and ``b`` (each a set of intervals)."""
+    ma, mb = _merged(a), _merged(b)
+    out: list[tuple[float, float]] = []
+    i = j = 0
+    while i < len(ma) and j < len(mb):
+        s, e = max(ma[i][0], mb[j][0]), min(ma[i][1], mb[j][1])
+        if e > s:
+            out.append((s, e))
+        if ma[i][1] < mb[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+class StepCollectives:
+    """A step's collectives in figures: ``comm`` (``(comm_s, comm_exposed_s,
+    comm_bytes, comm_calls, algbw_Bps, busbw_Bps)``), ``exposed_in`` (the exposed time
+    inside ``[lo, hi]``, the step body, which compute excludes) and ``split`` (one
+    ``[op, s, bytes, calls, busbw_Bps]`` per collective that ran, ``s`` the union of
+    its own intervals)."""
+
+    __slots__ = ("comm", "exposed_in", "split")
+
+    def __init__(self, calls: Sequence[Call], exposed: Iterable[tuple[float, float]],
+                 lo: float, hi: float) -> None:
+        intervals = [(c[1], c[2]) for c in calls]
+        comm_s = union_length(intervals)
+        exp = _merged(exposed)
+        exposed_s = sum(e - s for s, e in exp)
+        self.exposed_in = sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in exp)
+        nbytes = sum(c[3] for c in calls)
+        bus = sum(c[3] * bus_factor(c[0], c[4]) for c in calls)
+        algbw = nbytes / comm_s if comm_s > 0 and nbytes > 0 else None
+        busbw = bus / comm_s if comm_s > 0 and bus > 0 else None
+        self.comm: tuple[Any, ...] = (comm_s, min(exposed_s, comm_s), nbytes,
+                                      sum(c[5] for c in calls), algbw, busbw)
+        by_op: dict[str, list[Call]] = {}
+        for c in calls:
+            by_op.setdefault(c[0], []).append(c)
+        self.split: list[list[Any]] = []
+        for op in sorted(by_op, key=lambda o: (OPS.index(o) if o in OPS else len(OPS), o)):
+            cs = by_op[op]
+            s = union_length((c[1], c[2]) for c in cs)
+            b = sum(c[3] * bus_factor(c[0], c[4]) for c in cs)
+            self.split.append([op, s, sum(c[3] for c in cs), sum(c[5] for c in cs),
+                               b / s if s > 0 and b > 0 else None])
+
+
+def direct_calls(entries: Sequence[Sequence[Any]], end: float) -> list[Call]:
+    """The step's direct collective entries (``[op, launch, done, nbytes, group_size,
+    count]``, times on one clock) as calls; one still in flight ends at ``end``."""
+    return [(str(e[0]), float(e[1]), float(e[2]) if e[2] is not None else end, int(e[3]),
+             int(e[4]), int(e[5])) for e in entries]
+
+
+# ---- on the training thread: the wrappers -------------------------------------------
+
+class _Installed:
+    """What this process's ``ProcessGroup`` and ``Work`` classes hold of rtop's: the
+    original methods, and the probe the wrappers report to (None: they only call the
+    original). One per process, like the classes it patches."""
+
+    def __init__(self) -> None:
+        self.probe: Probe | None = None
+        self.originals: dict[tuple[Any, str], Any] = {}
+        self.wrappers: dict[tuple[Any, str], Any] = {}
+        #: ``(work, entry)`` of the last synchronous collective on CPU, until the
+        #: ``wait()`` that ``torch.distributed`` calls on it marks its completion.
+        self.waiting: tuple[Any, list[Any]] | None = None
+
+
+_STATE = _Installed()
+
+
+def _forget_in_child() -> None:
+    # A forked child (a DataLoader worker) has no probe of its own: the wrappers it
+    # inherits only call torch's methods.
+    _STATE.probe = None
+    _STATE.waiting = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def installed() -> bool:
+    """Whether rtop's wrappers are on the ``ProcessGroup`` and ``Work`` classes now."""
+    return bool(_STATE.wrappers)
+
+
+def _hook_codes(comm: CommTiming) -> frozenset[Any] | None:
+    """The code of the watched DDP model's comm hooks while its allreduce is timed
+    there (a collective they launch is DDP's own), else None."""
+    ref = comm.ddp_ref
+    if ref is None or not comm.ddp_measured:
+        return None
+    model = ref()
+    hooks = getattr(model, "_comm_hooks", None) if model is not None else None
+    if not hooks:
+        return None
+    cached = comm.hook_codes
+    if cached is not None and cached[0] == id(hooks) and cached[1] == len(hooks):
+        return cached[2]
+    codes = set()
+    for hook, _ in hooks:
+        fn = getattr(hook, "func", hook)  # a functools.partial: its function
+        code = getattr(fn, "__code__", None) or getattr(
+            vars(type(fn)).get("__call__"), "__code__", None)  # a callable object
+        if code is not None:
+            codes.add(code)
+    frozen = frozenset(codes)
+    comm.hook_codes = (id(hooks), len(hooks), frozen)
+    return frozen
+
+
+def _inside(codes: frozenset[Any]) -> bool:
+    """Whether one of the callers (up to ``HOOK_FRAMES`` up) runs one of ``codes``."""
+    frame: Any = sys._getframe(3)
+    for _ in range(HOOK_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _launch(probe: Probe, comm: CommTiming, group: Any, op: str, pos: int,
+            keys: tuple[str, ...], times_size: bool, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> tuple[list[Any], float, Any, bool] | None:
+    """Before a collective is launched: its entry (appended to the step's), the clock
+    reading and the event pool it was timed with, and whether the call is synchronous
+    (its options say ``asyncOp=False``); None when it is not counted (DDP's own)."""
+    t = time.perf_counter()
+    codes = _hook_codes(comm)
+    if codes and _inside(codes):
+        return None
+    if pos < 0:
+        nbytes = 0
+    else:
+        x = args[pos] if len(args) > pos else next(
+            (kwargs[k] for k in keys if k in kwargs), None)
+        nbytes = tensor_bytes(x)
+    size = int(group.size())
+    if times_size:
+        nbytes *= size
+    cuda = probe.cuda
+    entry: list[Any] = [op, cuda.record() if cuda is not None else t, None, nbytes, size, 1]
+    calls = comm.calls
+    if calls is not None and len(calls) < MAX_CALLS_PER_STEP:
+        calls.append(entry)
+    opts = kwargs.get("opts", args[-1] if args else None)
+    return entry, t, cuda, getattr(opts, "asyncOp", True) is False
+
+
+def _launched(comm: CommTiming, entry: list[Any], t0: float, cuda: Any, sync: bool,
+              work: Any) -> None:
+    """After the launch: on CPU the call itself was blocked time, and a synchronous
+    call completes when its ``wait()`` returns; otherwise the work's future marks the
+    completion."""
+    if cuda is None:
+        t1 = time.perf_counter()
+        blocked = comm.blocked
+        if len(blocked) < MAX_CALLS_PER_STEP:
+            blocked.append((t0, t1))
+        if sync and work is not None:
+            before, _STATE.waiting = _STATE.waiting, (work, entry)
+            if before is not None:  # never waited on: its future says when it ended
+                _complete_later(comm, before[1], None, before[0])
+            return
+    _complete_later(comm, entry, cuda, work)
+
+
+def _complete_later(comm: CommTiming, entry: list[Any], cuda: Any, work: Any) -> None:
+    """Mark ``entry`` complete when ``work`` is (a callback on its future)."""
+
+    def on_done(_fut: Any) -> None:
+        try:  # guard point "collectives.done"
+            entry[2] = cuda.record() if cuda is not None else time.perf_counter()
+        except Exception as exc:
+            comm.fail_direct("collectives.done", exc)
+
+    if work is None:  # the backend ran it inside the call
+        on_done(None)
+        return
+    try:
+        future = work.get_future()
+    except Exception:  # a backend without futures: complete when the call returned
+        on_done(None)
+        return
+    future.add_done_callback(on_done)
+
+
+def _wrap_method(name: str, original: Any) -> Callable[..., Any]:
+    op, pos, keys, times_size = METHODS[name]
+
+    def rtop_collective(self: Any, *args: Any, **kwargs: Any) -> Any:
+        probe = _STATE.probe
+        if probe is None:
+            return original(self, *args, **kwargs)
+        comm = probe.comm
+        if comm.calls is None:  # not timed (off after an error, or closed)
+            return original(self, *args, **kwargs)
+        try:  # guard point "collectives.launch": rtop's part only, never the collective
+            launch = _launch(probe, comm, self, op, pos, keys, times_size, args, kwargs)
+        except Exception as exc:
+            comm.fail_direct("collectives.launch", exc)
+            return original(self, *args, **kwargs)
+        if launch is None:
+            return original(self, *args, **kwargs)
+        work = original(self, *args, **kwargs)  # the job's own errors propagate
+        try:
+            _launched(comm, *launch, work=work)
+        except Exception as exc:
+            comm.fail_direct("collectives.launch", exc)
+        return work
+
+    rtop_collective.__name__ = rtop_collective.__qualname__ = name
+    rtop_collective.__doc__ = getattr(original, "__doc__", None)
+    return rtop_collective
+
+
+def _wrap_wait(original: Any) -> Callable[..., Any]:
+    def rtop_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        probe = _STATE.probe
+        if probe is None or probe.comm.calls is None:
+            return original(self, *args, **kwargs)
+        comm = probe.comm
+        try:  # guard point "collectives.wait"
+            cuda = probe.cuda
+            t0 = time.perf_counter()
+            w0 = cuda.record() if cuda is not None else t0
+            act = probe.activity
+            mine = act.thread_id == threading.get_ident()
+            if mine:
+                before = act.phase, act.since
+                act.phase, act.since = "comm", t0
+        except Exception as exc:
+            comm.fail_direct("collectives.wait", exc)
+            return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)  # the job's own errors propagate
+        try:
+            if mine and act.phase == "comm":
+                act.phase, act.since = before
+            w1 = cuda.record() if cuda is not None else time.perf_counter()
+            waiting = _STATE.waiting
+            if waiting is not None and waiting[0] is self:  # a synchronous call's end
+                _STATE.waiting = None
+                if waiting[1][2] is None:
+                    waiting[1][2] = w1
+            blocked = comm.blocked
+            if len(blocked) < MAX_CALLS_PER_STEP:
+                blocked.append((w0, w1))
+        except Exception as exc:
+            comm.fail_direct("collectives.wait", exc)
+        return result
+
+    rtop_wait.__name__ = rtop_wait.__qualname__ = "wait"
+    rtop_wait.__doc__ = getattr(original, "__doc__", None)
+    return rtop_wait
+
+
+def install(probe: Probe) -> str | None:
+    """Time every collective of this process for ``probe`` from now on (see the
+    module doc); a note saying so, or None when ``torch.distributed`` is not in use
+    (not available, or no process group initialised). A second probe takes over
+    from the first."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if not _STATE.wrappers:
+        targets: list[tuple[Any, str, Callable[[str, Any], Callable[..., Any]]]] = [
+            (dist.ProcessGroup, name, _wrap_method) for name in METHODS]
+        targets.append((dist.Work, "wait", lambda _, original: _wrap_wait(original)))
+        for cls, name, wrap in targets:
+            original = cls.__dict__.get(name)
+            if original is None:  # not in this torch
+                continue
+            wrapper = wrap(name, original)
+            _STATE.originals[(cls, name)] = original
+            _STATE.wrappers[(cls, name)] = wrapper
+            setattr(cls, name, wrapper)
+    _STATE.probe = probe
+    probe.comm.use_direct()
+    return ("every collective timed at the process group (all-gather, reduce-scatter, "
+            "all-to-all, broadcast and allreduce calls outside DDP's own, FSDP's "
+            "included): launch to completion, exposed while the caller waited")
+
+
+def release(probe: Probe) -> None:
+    """``probe`` closes: if the wrappers report to it, put torch's own methods back
+    (a method that someone replaced after rtop is left as it is, and rtop's wrapper
+    under it only calls the original from now on)."""
+    probe.comm.stop_direct()
+    if _STATE.probe is not probe:
+        return
+    _STATE.probe = None
+    _STATE.waiting = None
+    for key, wrapper in list(_STATE.wrappers.items()):
+        cls, name = key
+        try:
+            if cls.__dict__.get(name) is wrapper:
+                setattr(cls, name, _STATE.originals[key])
+        except Exception as exc:  # never break the job because of rtop (at exit too)
+            log.debug("rtop: could not restore %s.%s: %r", cls.__name__, name, exc)
+    _STATE.wrappers.clear()
+    _STATE.originals.clear()
