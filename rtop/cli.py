@@ -420,7 +420,12 @@ def _pick_hub(address: str | None, token: str | None) -> tuple[str, str | None] 
     from rtop.discovery import find_hubs
 
     if address:
-        return address, token
+        if token:
+            return address, token
+        # no token given: the one of the hub found at that address (runtime dir, Ray)
+        found = next((h.token for h in find_hubs() if h.address == address and h.token),
+                     None)
+        return address, found
     hubs = find_hubs()
     if not hubs:
         print("rtop: no running job found. Start one with collectors.start() in your "

@@ -156,7 +156,8 @@ def test_slow_link_judged_against_the_fabric_class():
 
 
 def test_scaling_what_if_follows_the_ring_formula():
-    fig = {r: {"compute_s": 0.05, "comm_s": 0.06, "comm_exposed_s": 0.05,
+    # consistent figures: DDP's busbw is 2(n-1)/n x bytes / comm_s = 1.75 GB / 70 ms
+    fig = {r: {"compute_s": 0.05, "comm_s": 0.07, "comm_exposed_s": 0.05,
                "comm_bytes": 1e9, "busbw_Bps": 25e9} for r in range(8)}
     found = kinds(evaluate(state_with(steps(fig), nodes={r: f"n{r // 4}" for r in range(8)}),
                            AnalysisConfig(inter_node_fabric="infiniband")))
@@ -166,6 +167,22 @@ def test_scaling_what_if_follows_the_ring_formula():
     assert set(table) == {8, 16, 32}
     assert table[16]["comm_s"] == pytest.approx(2 * 15 / 16 * 1e9 / 25e9, rel=1e-3)
     assert table[32]["efficiency"] < table[16]["efficiency"] < table[8]["efficiency"]
+
+
+def test_scaling_what_if_uses_the_steps_own_bus_factor_for_fsdp():
+    """FSDP's all-gathers and reduce-scatters move (n-1)/n of their bytes per rank, not
+    an allreduce's 2(n-1)/n: at the job's own size the what-if is the measured time, at
+    twice the ranks it grows by (m-1)/m over (n-1)/n, not by the allreduce's factor."""
+    n, nbytes, comm = 8, 3e9, 0.12
+    busbw = (n - 1) / n * nbytes / comm  # what the collectors send for such a step
+    fig = {r: {"compute_s": 0.05, "comm_s": comm, "comm_exposed_s": 0.1,
+               "comm_bytes": nbytes, "busbw_Bps": busbw} for r in range(n)}
+    found = kinds(evaluate(state_with(steps(fig), nodes={r: f"n{r // 4}" for r in range(n)}),
+                           AnalysisConfig(inter_node_fabric="infiniband")))
+    table = {row["ranks"]: row for row in
+             found["low_scaling_efficiency"].evidence["what_if"]}
+    assert table[8]["comm_s"] == pytest.approx(comm, rel=1e-3)
+    assert table[16]["comm_s"] == pytest.approx(comm * (15 / 16) / (7 / 8), rel=1e-3)
 
 
 def test_memory_wall_headroom_and_breakdown():

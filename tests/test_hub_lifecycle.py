@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from collectors import auth
 from rtop.client import HubClient
 from rtop.report import build_report
 from rtop.workload import Faults, WorkloadSpec, free_port, run_local
@@ -95,36 +96,76 @@ def test_public_contract_serve_collectors_report(tmp_path):
 
 
 def test_hub_killed_and_restarted_under_a_live_job(tmp_path):
+    """The fault suite's "hub SIGKILLed mid-run, a new one starts": the job trains at
+    its own pace through it, the ranks reconnect to the new hub, the first recording
+    reads up to the kill and ``rtop report`` says where and how it ends."""
+    from tests import reliability
+    from tests.faultkit import BackgroundJob, median_between, recorded, twice
+
     port, token = free_port(), "restart-token"
     r1, r2 = tmp_path / "first.rtop", tmp_path / "second.rtop"
     hub = start_serve(port, token, r1)
-    spec = WorkloadSpec(world_size=2, duration_s=16.0, dim=64, hidden=128,
+    duration = 40.0 if reliability.long_run() else 16.0
+    spec = WorkloadSpec(world_size=2, duration_s=duration, dim=64, hidden=128,
                         hub=f"127.0.0.1:{port}", token=token,
-                        probe_settings={"backoff_max_s": 1.0})
-    result: dict = {}
-    job = threading.Thread(target=lambda: result.update(res=run_local(spec, timeout_s=180)))
-    job.start()
+                        probe_settings={"backoff_max_s": 1.0},
+                        fault_mark_dir=str(tmp_path))
+    job = BackgroundJob(spec, timeout_s=180)
     try:
         with HubClient(f"127.0.0.1:{port}", token) as c:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and min(c.snapshot()["ranks"]["step"] or [-1]) < 20:
                 time.sleep(0.2)
         time.sleep(1.2)  # the hub flushes its recording at least once a second
+        killed = time.time()
         hub.kill()  # SIGKILL: no last flush, no goodbye
         hub.wait()
         time.sleep(1.5)
         hub = start_serve(port, token, r2)
-        job.join(timeout=180)
-        assert not job.is_alive(), "the job did not finish"
+        back = time.time()
+        results = job.join(180)
     finally:
         stop(hub)
-    for rank_result in result["res"]:
+    for rank_result in results:
         stats = rank_result["stats"]
         assert stats["connects"] >= 2, stats  # reconnected to the new hub
     first, second = build_report(r1), build_report(r2)
     assert all(r["steps"] >= 20 for r in first["ranks"])
     assert sorted(r["rank"] for r in second["ranks"]) == [0, 1]
     assert all(r["steps"] > 20 and r["status"] == "finished" for r in second["ranks"])
+    # the job did not feel it: steps while no hub listened vs before the kill
+    started = job.wait_started()
+    before = median_between(job, started, killed)
+    without = median_between(job, killed, back + 1.0, skip=0)
+    assert without < 2.0 * before, (before, without)
+    # the first recording: readable up to the kill, and the report says how it ends
+    assert not first["run"]["closed"] and second["run"]["closed"]
+    assert second["run"]["cut"] is None
+    cut = first["run"]["cut"]
+    assert cut and "stopped without closing it" in cut, cut
+    assert f"byte {first['run']['end_byte']:,}" in cut
+    assert first["run"]["end_byte"] == r1.stat().st_size or first["run"]["truncated"]
+    assert killed - 2.5 < first["run"]["end_t_hub"] <= killed + 0.1, \
+        (killed, first["run"]["end_t_hub"])  # flushed within the second before the kill
+    text = subprocess.run([*RTOP, "report", str(r1)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "note: recording ends" in text and "without closing it" in text
+    # nothing twice; what was lost is what the killed hub held unflushed
+    steps1, _, _ = recorded(r1)
+    steps2, _, _ = recorded(r2)
+    lost = 0
+    for rank, res in enumerate(results):
+        assert not twice(steps1[rank]) and not twice(steps2[rank])
+        lost += len(set(range(len(res["times"]))) - set(steps1[rank]) - set(steps2[rank]))
+    dropped = sum(r["stats"]["dropped_unsent"] for r in results)
+    reliability.record(
+        "hub SIGKILLed mid-run, a new `rtop serve` on the same port",
+        "job trained on at its own pace; ranks reconnected; the first recording reads up "
+        "to the kill and the report says where it ends",
+        f"{lost} steps (the killed hub's last unflushed second and what its socket held; "
+        f"{dropped} records dropped, counted)",
+        step_before_ms=round(before * 1e3, 2), step_without_hub_ms=round(without * 1e3, 2),
+        step_ratio=round(without / before, 3), outage_s=round(back - killed, 1))
 
 
 def test_truncated_recording_replays_up_to_the_last_whole_frame(tmp_path):
@@ -250,8 +291,9 @@ def test_a_niced_hub_thread_leaves_the_rest_of_its_process_alone():
 
 
 def test_several_jobs_are_listed_for_the_user_to_choose(tmp_path):
-    hubs = [start_serve(free_port(), f"tok{i}", tmp_path / f"r{i}.rtop", "--job", f"job-{i}")
-            for i in range(2)]
+    ports = [free_port(), free_port()]
+    hubs = [start_serve(ports[i], f"tok{i}-long-enough", tmp_path / f"r{i}.rtop", "--job",
+                        f"job-{i}") for i in range(2)]
     try:
         listed = subprocess.run([*RTOP, "list"], capture_output=True, text=True, check=True)
         assert "job-0" in listed.stdout and "job-1" in listed.stdout
@@ -261,6 +303,17 @@ def test_several_jobs_are_listed_for_the_user_to_choose(tmp_path):
         assert proc.returncode == 1
         assert "several jobs" in proc.stdout and "job-0" in proc.stdout
         assert "rtop status HOST:PORT" in proc.stderr
+        # picked by its address, a hub found on this machine lends its token: no
+        # RTOP_TOKEN needed (the README's Prometheus quick start: `rtop token view ADDR`)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RTOP_TOKEN")}
+        addr = f"127.0.0.1:{ports[1]}"
+        proc = subprocess.run([*RTOP, "token", "view", addr], capture_output=True,
+                              text=True, env=env, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == auth.role_token("tok1-long-enough", "view")
+        proc = subprocess.run([*RTOP, "status", addr], capture_output=True, text=True,
+                              env=env, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr
     finally:
         for h in hubs:
             stop(h)

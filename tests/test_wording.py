@@ -127,7 +127,7 @@ def test_low_scaling_efficiency():
     ev = {"efficiency": 0.587, "compute_s": 0.03553, "comm_exposed_s": 0.025,
           "what_if": [{"ranks": 5, "efficiency": 0.9995}, {"ranks": 20, "efficiency": 0.45}]}
     assert wording.summary("low_scaling_efficiency", [0, 1], ev) == (
-        "Only 59% of each step is compute: 25 ms of allreduce is not hidden behind 36 ms of "
+        "Only 59% of each step is compute: 25 ms of communication is not hidden behind 36 ms of "
         "compute (at 20 ranks, 45%).")
     ev["what_if"] = []
     assert wording.summary("low_scaling_efficiency", [0, 1], ev).endswith("of compute.")

@@ -409,8 +409,17 @@ def low_scaling_efficiency(ctx: Context, always: bool = False) -> Finding | None
     n = w.world_size
     whatif = []
     if measured(busbw) and busbw > 0 and measured(nbytes):
+        # the step's own nccl-tests factor, F = busbw x comm_s / bytes: 2(n-1)/n for
+        # DDP's allreduce, (n-1)/n for FSDP's all-gathers and reduce-scatters, a mix
+        # for a mix; each of those grows with m as (m-1)/m (a broadcast's does not:
+        # counted as if it did, a small overestimate)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rows = w.steps["busbw_Bps"][ok] * w.steps["comm_s"][ok] / w.steps["comm_bytes"][ok]
+        factor = _nanmedian(np.where(np.isfinite(rows) & (rows > 0), rows, np.nan))
+        if not measured(factor):
+            factor = 2 * (n - 1) / n  # DDP's ring allreduce
         for m in (x * n for x in WHAT_IF):
-            c = 2 * (m - 1) / m * nbytes / busbw  # ring allreduce: 2(m-1)/m x bytes / busbw
+            c = factor * ((m - 1) / m) / ((n - 1) / n) * nbytes / busbw
             whatif.append({"ranks": m, "comm_s": _f(c), "efficiency": _f(compute / (compute + c))})
     ev = {"efficiency": _f(eff), "efficiency_no_overlap": _f(eff_full), "compute_s": _f(compute),
           "comm_s": _f(comm), "comm_exposed_s": _f(exposed), "comm_bytes": _f(nbytes),

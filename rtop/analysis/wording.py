@@ -239,7 +239,7 @@ def _low_scaling_efficiency(ranks: Sequence[int], ev: Evidence) -> str:
     more = f" (at {last['ranks']} ranks, {last['efficiency']:.0%})." \
         if measured(last.get("efficiency")) else "."
     return (f"Only {fmt_num(ev.get('efficiency'), '.0%')} of each step is compute: "
-            f"{ms(ev.get('comm_exposed_s'))} of allreduce is not hidden behind "
+            f"{ms(ev.get('comm_exposed_s'))} of communication is not hidden behind "
             f"{ms(ev.get('compute_s'))} of compute{more}")
 
 

@@ -231,7 +231,7 @@ class ScalingScreen(Screen[None]):
         eff = num(sc["efficiency"])
         out.append("Scaling efficiency ", "bold")
         out.append(fmt_pct(eff, 100), "bold green" if (eff or 0) >= 0.6 else "bold yellow")
-        out.append("  = compute / (compute + allreduce not hidden behind backward)\n")
+        out.append("  = compute / (compute + communication not hidden behind compute)\n")
         out.append(f"  compute {fmt_ms(sc['compute_s'])} ms · allreduce "
                    f"{fmt_ms(sc['comm_s'])} ms, of which exposed "
                    f"{fmt_ms(sc['comm_exposed_s'])} ms · {fmt_bytes(sc['comm_bytes'])} "
