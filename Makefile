@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rtop-installed
 PYTHON ?= python3
 
-.PHONY: test demo lint typecheck pytest fuzz bench screenshots clean
+.PHONY: test demo lint typecheck pytest fuzz bench reliability screenshots clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/collector_overhead.py
+
+# The fault suite with its long variants (network cut, hub killed, viewer frozen, disk
+# full, overload, ranks dying under control actions), the bad-input suite, and what rtop
+# costs the job under faults, written to docs/reliability.md. Runs as root (network
+# namespaces, tmpfs); e.g. RELIABILITY_ARGS="--rounds 3" or "--no-overhead".
+reliability: $(STAMP)
+	$(PY) benchmarks/reliability.py $(RELIABILITY_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

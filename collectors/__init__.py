@@ -28,6 +28,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
+from collectors import lastgasp
 from collectors.config import ProbeConfig
 from collectors.identity import Identity, detect
 from collectors.probe import Probe
@@ -100,6 +101,7 @@ def start(
         probe = Probe(identity, config)
         atexit.register(probe.close, reason="exit")
         _install_excepthook()
+        lastgasp.install(probe)  # a goodbye on a launcher's SIGTERM, if the job has no handler
         _probe = probe
         return probe
 

@@ -10,6 +10,8 @@
 | ``RTOP_SAMPLE_S`` | GPU / host / memory / heartbeat sampling period | 1.0 |
 | ``RTOP_STACK_AFTER_S`` | a phase longer than this sends the training thread's stack | 10 |
 | ``RTOP_MEM_CAPACITY_BYTES`` | the memory capacity headroom is measured against | device's |
+| ``RTOP_SPOOL`` | ``0``: records still unsent at exit are dropped, not spooled | on |
+| ``RTOP_SPOOL_MAX_BYTES`` | the most a rank's spool file may hold (oldest left out) | 64 MiB |
 """
 
 from __future__ import annotations
@@ -129,6 +131,19 @@ class ProbeConfig:
     comm_timing: str = "ddp"
     #: Give up on a GPU step time whose CUDA events have not completed after this long.
     cuda_resolve_timeout_s: float = 30.0
+    #: At exit with no hub to take them, write the unsent records to a spool file in
+    #: the runtime directory (:mod:`collectors.spool`) for a later hub or ``rtop
+    #: report``; off: they are dropped and counted.
+    spool: bool = True
+    #: The most bytes a spool file may hold; the oldest batches are left out beyond it
+    #: (their records counted as dropped).
+    spool_max_bytes: int = 64 * 1024 * 1024
+    #: The most seconds writing the spool may take (after ``close_timeout_s``); batches
+    #: not written by then are counted as dropped.
+    spool_timeout_s: float = 1.0
+    #: Where spools go: None for the runtime directory (the hubs of this node look
+    #: there); another directory must be the user's own (made 0700).
+    spool_dir: str | None = None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ProbeConfig:
@@ -142,6 +157,8 @@ class ProbeConfig:
             stack_after_s=_float("RTOP_STACK_AFTER_S", cls.stack_after_s),
             memory_capacity_bytes=_int_or_none("RTOP_MEM_CAPACITY_BYTES"),
             comm_timing=os.environ.get("RTOP_COMM_TIMING", cls.comm_timing).lower(),
+            spool=os.environ.get("RTOP_SPOOL", "1").lower() not in ("0", "false", "no"),
+            spool_max_bytes=_int_or_none("RTOP_SPOOL_MAX_BYTES") or cls.spool_max_bytes,
         )
         known = {f.name for f in fields(cls)}
         unknown = set(overrides) - known

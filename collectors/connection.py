@@ -19,7 +19,9 @@
   (and counting their records) beyond ``backlog_frames`` frames or
   ``max_unsent_bytes`` bytes; writes them whole through partial writes; on a reconnect
   sends again the frames not yet started (a frame cut mid-write is lost and counted);
-* on :meth:`finish`, sends what it can before a deadline, then a ``bye``.
+* on :meth:`finish`, sends what it can before a deadline, then a ``bye``; what no hub
+  took by then (and the ``bye``) goes to the rank's spool file (:mod:`collectors.spool`)
+  for a later hub or ``rtop report``, unless ``spool`` is off.
 
 Control frames (``wire.KIND_CONTROL``, commands for the rank from the hub) arrive here:
 only once the hub has proved itself and welcomed the rank (state ``UP``) are they
@@ -39,6 +41,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from collectors import auth, wire
@@ -46,6 +49,7 @@ from collectors.config import ProbeConfig
 from collectors.discovery import HubAddress, resolve
 from collectors.identity import Identity
 from collectors.logonce import LogOnce
+from collectors.spool import SpoolResult, write_spool
 
 log = logging.getLogger("collectors")
 
@@ -112,6 +116,7 @@ class HubConnection:
         self._next_connect = 0.0
         self._backoff = config.backoff_initial_s
         self._finishing = False
+        self._hub_known = False  # a hub was found (configured or discovered), reachable or not
         #: The welcome's payload (the hub's clock and facts), once welcomed.
         self.hub_info: dict[str, Any] = {}
         # counters (monotonic; read from other threads without locking)
@@ -123,6 +128,11 @@ class HubConnection:
         self.refusals = 0
         #: hubs that answered without proving they hold the token (or spoke out of turn)
         self.unproven_hubs = 0
+        #: records written to the spool file at the end, and records it left out
+        self.spooled_records = 0
+        self.spool_dropped = 0
+        #: what writing the spool did (:mod:`collectors.spool`), once it was written
+        self.spool: SpoolResult | None = None
 
     # ---- what the sender asks -----------------------------------------------------
 
@@ -156,6 +166,8 @@ class HubConnection:
             "connect_failures": self.connect_failures,
             "refusals": self.refusals,
             "unproven_hubs": self.unproven_hubs,
+            "spooled_records": self.spooled_records,
+            "spool_dropped": self.spool_dropped,
             "connected": int(self.state is ConnState.UP),
         }
 
@@ -186,7 +198,10 @@ class HubConnection:
         """Send what can be sent before ``deadline`` (monotonic), then ``bye()``'s frame.
 
         One last connect attempt if there is no connection (an existing hub only: none
-        is started now). What is still unsent at the deadline is dropped and counted.
+        is started now). What is still unsent at the deadline is written to the spool
+        (within ``spool_timeout_s`` and ``spool_max_bytes``), or, with ``spool`` off,
+        beyond those bounds, or when no hub was ever found (none configured, none
+        discovered: nobody to spool for), dropped and counted.
         """
         self._finishing = True
         bye_queued = False
@@ -207,10 +222,47 @@ class HubConnection:
                 break
             select.select([self._sock], [self._sock] if self._writing else [], [],
                           min(0.05, max(0.0, deadline - now)))
-        self.dropped_unsent += sum(n for _, n in self._outbox) + sum(w[1] for w in self._writing)
+        # what no hub took: batches not yet handed whole to the socket (a frame cut
+        # mid-write is whole here: the hub never applies half a frame), oldest first
+        unsent = [(bytes(w[0].obj), int(w[1])) for w in self._writing if w[1]]
+        unsent += list(self._outbox)
         self._outbox.clear()
         self._outbox_bytes = 0
         self._writing.clear()
+        records = sum(n for _, n in unsent)
+        if records and self._cfg.spool and self._hub_known:
+            self._spool(unsent, bye)
+        else:
+            self.dropped_unsent += records
+
+    def _spool(self, unsent: list[tuple[bytes, int]], bye: Callable[[], dict[str, Any]]
+               ) -> None:
+        """Write what no hub took to this rank's spool file (:mod:`collectors.spool`),
+        with the bye the hub never got; what the spool leaves out is counted as
+        dropped. Never raises."""
+        records = sum(n for _, n in unsent)
+        try:
+            last_words: dict[str, Any] | None = bye()
+        except Exception:
+            last_words = None
+        cfg = self._cfg
+        result = write_spool(
+            self._identity, unsent, self._hello(with_nonce=False), last_words,
+            max_bytes=cfg.spool_max_bytes, timeout_s=cfg.spool_timeout_s,
+            directory=Path(cfg.spool_dir) if cfg.spool_dir else None)
+        self.spool = result
+        self.spooled_records += result.records
+        self.spool_dropped += result.dropped_records
+        self.dropped_unsent += result.dropped_records
+        if result.error is not None:
+            log.warning("rtop: no hub took this rank's last %d records and they could not "
+                        "be spooled (%s); dropped and counted", records,
+                        _short(result.error))
+        else:
+            log.warning("rtop: no hub took this rank's last %d records: %d spooled to %s "
+                        "in %.3f s (%d dropped), for a later hub or `rtop report`",
+                        records, result.records, result.path, result.seconds,
+                        result.dropped_records)
 
     def close(self) -> None:
         """Close the socket (frames not yet started stay queued)."""
@@ -234,6 +286,7 @@ class HubConnection:
         if target is None:
             self._next_connect = now + self._cfg.backoff_max_s
             return
+        self._hub_known = True
         host, port, token = target
         key = auth.key_for(token, "ingest")
         if key is None:
@@ -264,14 +317,20 @@ class HubConnection:
         self._hello_deadline = now + self._cfg.welcome_timeout_s
         if self._on_connect is not None:
             self._on_connect()
-        hello = {
-            "role": "rank",
-            "nonce": self._nonce,
+        self._writing.appendleft([memoryview(wire.encode(wire.KIND_HELLO, self._hello())), 0])
+
+    def _hello(self, with_nonce: bool = True) -> dict[str, Any]:
+        """This rank's hello (with this connection's nonce for a hub; without, for
+        the spool)."""
+        hello: dict[str, Any] = {"role": "rank"}
+        if with_nonce:
+            hello["nonce"] = self._nonce
+        hello.update({
             "identity": self._identity.to_wire(),
             "clock": {"t_wall": time.time(), "t_mono": time.monotonic()},
             "collector": self._collector_info(),
-        }
-        self._writing.appendleft([memoryview(wire.encode(wire.KIND_HELLO, hello)), 0])
+        })
+        return hello
 
     def _schedule_retry(self, now: float) -> None:
         jitter = 0.8 + 0.4 * random.random()

@@ -88,7 +88,9 @@ def _from_ray() -> dict[str, Any] | None:
         }
     except Exception:
         return None
-    try:
+    try:  # not in Ray Train's local mode: get_runtime_context() would start a Ray instance
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not initialised")
         runtime = ray.get_runtime_context()
         fields["node_id"] = str(runtime.get_node_id())
         fields["ip"] = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]

@@ -7,7 +7,9 @@ What the probe hands over to other code, all documented attributes of :class:`Pr
 the collectives are timed, :class:`collectors.handover.CommTiming`, written by
 :mod:`collectors.commhook`, :mod:`collectors.ddptimer` and
 :mod:`collectors.collectives`) and ``cuda`` (the CUDA
-event pool once steps are timed on the GPU). Nothing outside this module writes a
+event pool once steps are timed on the GPU), ``figures`` (what an integration measured,
+sent with the notes: :mod:`collectors.raytrain`'s Ray Data cross-check) and
+``raytrain`` (Ray Train's and Ray Data's hooks). Nothing outside this module writes a
 probe's own fields.
 """
 
@@ -32,6 +34,7 @@ from collectors.memory import MemorySampler
 from collectors.steps import RawStep
 
 if TYPE_CHECKING:
+    from collectors.raytrain import RayTrainHooks
     from collectors.sender import Sender
 
 log = logging.getLogger("collectors")
@@ -81,6 +84,10 @@ class TimedIterable(Generic[T]):
     def __init__(self, probe: Probe, iterable: Iterable[T]) -> None:
         self._probe = probe
         self._iterable = iterable
+        #: Time blocked in ``next()`` over all passes (the call that ended each pass
+        #: included), and the batches it yielded.
+        self.wait_s = 0.0
+        self.batches = 0
 
     def __len__(self) -> int:
         return len(self._iterable)  # type: ignore[arg-type]
@@ -113,10 +120,14 @@ class TimedIterable(Generic[T]):
             try:
                 item = next(it)  # the loader's own exceptions are the job's: they propagate
             except StopIteration:
-                act.phase, act.since = "idle", clock()
+                t1 = clock()
+                self.wait_s += t1 - t0
+                act.phase, act.since = "idle", t1
                 return
             try:
                 t1 = clock()
+                self.wait_s += t1 - t0
+                self.batches += 1
                 if probe._wait_t0 is None:
                     probe._wait_t0 = t0
                     probe._wait_s = t1 - t0
@@ -309,6 +320,9 @@ class Probe:
         self._iter_off = False
         #: Notes for the hub (what is measured and how; what was turned off and why).
         self.notes: list[str] = []
+        #: Figures integrations measured, by name (``collectors.raytrain``: "ray_data"),
+        #: sent with the notes; a value is replaced whole, never changed in place.
+        self.figures: dict[str, Any] = {}
         #: Features turned off after a failure at one of ``collectors.guard``'s points.
         self.faults = Faults(self.notes)
         self.comm.on_failure = self._fault
@@ -331,14 +345,25 @@ class Probe:
         self._sender = Sender(self, nvml=nvml)
         if start_sender:
             self._sender.start()
+        #: Ray Train's and Ray Data's hooks (``collectors.raytrain``) once Ray is imported.
+        self.raytrain: RayTrainHooks | None = None
+        if "ray" in sys.modules:
+            from collectors import raytrain
+
+            self.raytrain = raytrain.install(self)
 
     # ---- the training loop's API -------------------------------------------------
 
     def iter(self, iterable: Iterable[T]) -> TimedIterable[T]:
         """Wrap a data loader (torch DataLoader, Ray Data iterator, any iterable) so
-        the time blocked in each ``next()`` is measured as data wait."""
+        the time blocked in each ``next()`` is measured as data wait. A Ray Data
+        iterator's own figure for that time is set beside it (:mod:`collectors.raytrain`)."""
         if self._iter_off:
             return iterable  # type: ignore[return-value]
+        if self.raytrain is not None:  # a Ray Data iterator: cross-checked with its stats
+            ray_data = self.raytrain.iter(iterable)
+            if ray_data is not None:
+                return ray_data
         return TimedIterable(self, iterable)
 
     def step(self) -> _StepTimer | _NoStep:
@@ -515,9 +540,26 @@ class Probe:
         """Counters: records sent, dropped (buffer full, hub unreachable), frames, connects."""
         return {"dropped_buffer": self.dropped_buffer, **self._sender.stats()}
 
+    def last_word(self, error: str, timeout: float) -> None:
+        """The process is about to die (a launcher's SIGTERM, :mod:`collectors.lastgasp`):
+        have the sender flush and say goodbye with ``error`` (``reason`` "signal"),
+        waiting for it at most ``timeout`` seconds. Nothing else is undone: the process
+        ends right after. Safe from any thread; once closed, it only waits (as long) for
+        the goodbye that closing sends."""
+        sender = self._sender
+        if self._closed:  # closing already (the interpreter's exit): give its goodbye time
+            if sender.is_alive() and threading.current_thread() is not sender:
+                sender.join(timeout)
+            return
+        self._closed = True
+        self.exit_reason, self.exit_error = "signal", error
+        sender.stop(timeout, wait_s=timeout, sample=False)
+
     def close(self, timeout: float | None = None, *, reason: str = "closed") -> None:
         """Flush what can be flushed within ``timeout`` seconds (default from the config)
-        and stop the sender. Safe to call twice; never hangs.
+        and stop the sender. Safe to call twice; never hangs. What no hub took by then
+        goes to this rank's spool file (:mod:`collectors.spool`, within
+        ``spool_timeout_s`` more), for a later hub or ``rtop report``.
 
         The hub is told why the rank left: ``closed`` (this call, the end of training),
         or ``exit`` (the interpreter exited without it: the script ended or crashed).
@@ -532,6 +574,8 @@ class Probe:
         except Exception as exc:
             log.debug("rtop: aborting the hub's actions failed: %r", exc)
         collectives.release(self)  # torch's own collective methods back, first
+        if self.raytrain is not None:
+            self.raytrain.release()  # what they wrapped in Ray Train, as it was
         self._sender.stop(self.config.close_timeout_s if timeout is None else timeout)
         ddptimer.release(self)  # the model goes back to DDP's own sampling
 

@@ -68,6 +68,7 @@ class Sender(threading.Thread):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._deadline: float | None = None
+        self._sample_last = True  # sample once more in the last round (not on a last word)
         self._once = LogOnce()
         # records waiting to be batched
         self._rows: dict[str, list[list[Any]]] = {key: [] for key in TABLES}
@@ -79,6 +80,7 @@ class Sender(threading.Thread):
         self._seq = 0
         self._meta_dirty = True
         self._notes_sent: list[str] | None = None
+        self._figures_sent: dict[str, Any] = {}
         self._unencoded = 0  # records lost because their batch could not be encoded
         # samplers, run on this thread
         self._gpu = GpuSampler(probe.identity.local_rank, nvml, training_device=self._device)
@@ -122,13 +124,19 @@ class Sender(threading.Thread):
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
-    def stop(self, timeout: float) -> None:
-        """Flush within ``timeout`` seconds, then end the thread. Never hangs."""
+    def stop(self, timeout: float, wait_s: float | None = None, *,
+             sample: bool = True) -> None:
+        """Flush within ``timeout`` seconds, then end the thread, waiting for it at most
+        ``wait_s`` seconds (default ``timeout`` and half a second, and the spool's time
+        when no hub takes the last records: ``spool_timeout_s``). ``sample=False``
+        skips the last round's samples (a last word, in a hurry). Never hangs."""
+        self._sample_last = sample
         self._deadline = time.monotonic() + max(0.0, timeout)
         self._stop_evt.set()
         self._wake()
         if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout + 0.5)
+            spool_s = max(0.0, self._cfg.spool_timeout_s) if self._cfg.spool else 0.0
+            self.join(timeout + 0.5 + spool_s if wait_s is None else max(0.0, wait_s))
 
     # ---- the thread --------------------------------------------------------------
 
@@ -145,8 +153,10 @@ class Sender(threading.Thread):
                 if stopping:
                     # the last round: each part guarded on its own, so that the goodbye
                     # (carrying the job's exit error) goes out whatever fails before it
-                    for part in (self._final_drain, self._sample, self._flush,
-                                 self._answers):
+                    parts = [self._final_drain, self._sample, self._flush, self._answers]
+                    if not self._sample_last:
+                        parts.remove(self._sample)  # a last word, in a hurry
+                    for part in parts:
                         try:
                             part()
                         except Exception as exc:
@@ -298,6 +308,7 @@ class Sender(threading.Thread):
     def _meta(self) -> dict[str, Any]:
         p = self._p
         return {
+            **p.figures,  # an integration's figures (collectors.raytrain: "ray_data")
             "notes": list(p.notes),
             "device": self._gpu.info(),
             "device_reason": self._gpu.reason(),
@@ -307,12 +318,13 @@ class Sender(threading.Thread):
         }
 
     def _flush(self) -> None:
-        notes = self._p.notes
+        notes, figures = self._p.notes, self._p.figures
         if self._meta_dirty or self._gpu.generation != self._gpu_generation \
-                or notes != self._notes_sent:
+                or notes != self._notes_sent or figures != self._figures_sent:
             self._meta_dirty = False
             self._gpu_generation = self._gpu.generation
             self._notes_sent = list(notes)
+            self._figures_sent = dict(figures)
             include_meta = True
         else:
             include_meta = False

@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="recording file (default: $RTOP_RUNS_DIR or "
                             "~/.local/share/rtop/runs/<job>-<time>.rtop)")
     serve.add_argument("--no-record", action="store_true", help="do not record the run")
+    serve.add_argument("--take-spools", action="store_true",
+                       help="record every spool in the runtime directory (records ranks "
+                            "kept when no hub took them at their end), not only those of "
+                            "this hub's ranks, recording or job")
     serve.add_argument("--job", default="", help="a name for the job")
     serve.add_argument("--discovery-file", default=None, help=argparse.SUPPRESS)
     serve.add_argument("--auto", action="store_true", help=argparse.SUPPRESS)
@@ -134,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="summarise a recorded run")
     report.add_argument("run", help="a recording (.rtop); may still be being written")
     report.add_argument("--json", action="store_true", help="print JSON")
+    report.add_argument("--spool", action="append", default=[], metavar="PATH",
+                        help="merge this spool file (records a rank kept when no hub took "
+                             "them at its end); repeatable. Spools in the runtime directory "
+                             "written by this run's ranks are merged anyway")
+    report.add_argument("--no-spools", action="store_true",
+                        help="do not look for this run's spools in the runtime directory")
     report.add_argument("--thresholds", default=None, metavar="FILE",
                         help="JSON file of diagnosis thresholds")
 
@@ -365,7 +375,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lower_priority(nice)
     cfg = HubConfig(host=args.host, port=args.port, token=token or None, job=args.job,
                     record="" if args.no_record else args.record, linger_s=linger,
-                    discovery_file=discovery)
+                    discovery_file=discovery, spool_take_all=args.take_spools)
 
     def ready(hub: Any) -> None:
         rec = hub.recorder.path if hub.recorder else "off"
@@ -405,7 +415,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"rtop report: bad thresholds: {exc}", file=sys.stderr)
         return 2
     try:
-        report = build_report(args.run, thresholds)
+        report = build_report(args.run, thresholds, spools=args.spool,
+                              find_spools=not args.no_spools)
     except FileNotFoundError:
         print(f"rtop report: no such file: {args.run}", file=sys.stderr)
         return 2

@@ -15,15 +15,26 @@ import json
 import statistics
 from array import array
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from collectors import wire
+from collectors.raytrain import RAY_DATA_FIELDS
 from collectors.schema import COLLECTIVE_FIGURES, GPU_FIELDS, MEM_FIELDS, STEP_FIELDS
 from rtop.analysis import AnalysisConfig, Monitor
 from rtop.fmt import fixed, safe_text
 from rtop.run.recording import ReadResult, replay
-from rtop.run.state import RankState, RunState, step_split
+from rtop.run.spool import (
+    SpoolError,
+    SpoolTally,
+    batch_records,
+    read_header,
+    read_spool,
+    spool_files,
+    spool_key,
+)
+from rtop.run.state import Attempt, ProtocolError, RankState, RunState, step_split
 
 #: Step fields summarised as medians over the run.
 MEDIAN_STEP_FIELDS = ("step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
@@ -51,6 +62,9 @@ class _Acc:
         self.first_step: int | None = None
         self.last_step: int | None = None
         self.checkpoints: list[float] = []
+        #: records that came from a spool, and records the rank's spool left out
+        self.spooled = 0
+        self.spool_dropped = 0
         #: per collective: its figures per step it ran in (COLLECTIVE_FIGURES order)
         self.collectives: dict[str, list[array[float]]] = {}
 
@@ -136,13 +150,30 @@ def _rank_entry(rs: RankState, acc: _Acc) -> dict[str, Any]:
         for op, arrays in sorted(acc.collectives.items(),
                                  key=lambda kv: -(_median(kv[1][0]) or 0.0))}
     entry["dropped_records"] = rs.dropped
+    entry["spooled_records"] = acc.spooled
+    entry["spool_dropped_records"] = acc.spool_dropped
     entry["clock_offset_s"] = rs.offset_s
+    # Ray Data's own blocked time beside the probe's data wait (collectors.raytrain)
+    entry["ray_data"] = _ray_data(rs.meta)
+    error = rs.meta.get("error")  # what the rank said failed it (its goodbye)
+    entry["error"] = error if isinstance(error, str) else None
+    notes = rs.meta.get("notes")
+    entry["notes"] = [n for n in notes if isinstance(n, str)] if isinstance(notes, list) \
+        else []
     return entry
 
 
-def build_report(path: str | Path, thresholds: AnalysisConfig | None = None
-                 ) -> dict[str, Any]:
+def build_report(path: str | Path, thresholds: AnalysisConfig | None = None, *,
+                 spools: Iterable[str | Path] = (), find_spools: bool = True,
+                 spool_dir: Path | None = None) -> dict[str, Any]:
     """The report of a recording as a JSON-able dict (the contract's shape).
+
+    Records that ranks spooled because no hub took them at their end
+    (:mod:`collectors.spool`) are merged in: those a hub recorded, the spools given
+    (``spools``), and, with ``find_spools``, those in ``spool_dir`` (default: the
+    runtime directory) written by a rank process of this recording; never a spool
+    whose id the recording already holds. ``run.spools`` lists them, and
+    ``spooled_records`` / ``spool_dropped_records`` (per rank too) count them.
 
     The diagnosis runs over the recording as it ran live (every half second of the
     hub's time), so the findings are every finding that started during the run, worst
@@ -153,23 +184,37 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None
     analyzer = monitor.analyzer
     assert analyzer is not None
 
+    tally = SpoolTally()
+
     def on_frame(t_hub: float, frame: wire.Frame, st: RunState) -> None:
         if frame.kind == wire.KIND_BATCH:
             group = frame.payload.get("group")  # as the state keeps it (made safe)
             rs = st.rank_state(frame.payload["rank"], safe_text(group) if group else None)
             if rs is not None:
                 accs[id(rs)].add_batch(frame.payload)
+                if tally.current is not None:
+                    accs[id(rs)].spooled += batch_records(frame.payload)
+        else:
+            rs = tally.see(frame, st)
+            if rs is not None and tally.current is not None:
+                dropped = tally.current.get("dropped_records")
+                if isinstance(dropped, int) and dropped > 0:
+                    accs[id(rs)].spool_dropped += dropped
         monitor.advance(t_hub)
 
     res = ReadResult()
     state, res = replay(path, monitor.state, on_frame=on_frame, result=res)
+    _merge_spools(state, tally, on_frame, res, list(spools),
+                  spool_dir if find_spools else False)
     monitor.advance(state.now, force=True)
     attempts = []
     for att in state.attempts:
         ranks = [_rank_entry(rs, accs[id(rs)]) for rs in sorted(att.ranks.values(),
                                                                 key=lambda r: r.rank)]
         attempts.append({"attempt": att.number, "group": att.group, "job": att.job,
-                         "world_size": att.world_size, "ranks": ranks})
+                         "world_size": att.world_size,
+                         "ended": _attempt_end(att, att is not state.attempts[-1]),
+                         "steps": sum(r["steps"] for r in ranks), "ranks": ranks})
     findings = analyzer.all_episodes()
     current = attempts[-1]["ranks"] if attempts else []
     return {
@@ -182,14 +227,59 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None
             "frames": res.frames,
             "truncated": res.truncated,
             "warnings": res.warnings,
+            # the hub closed it (an end mark); if not, where it ends, in words
+            "closed": res.closed,
+            "cut": res.cut(),
+            "end_byte": res.end_byte,
+            "end_t_hub": res.last_t_hub,
             "duration_s": (state.now - state.started) if state.started else 0.0,
             "hub": state.run_info.get("hub"),
+            # records ranks spooled when no hub took them (recorded by a hub, or merged)
+            "spools": tally.spools,
+            "spooled_records": sum(int(s.get("records") or 0) for s in tally.spools
+                                   if s.get("source") in ("recording", "merged")),
+            "spool_dropped_records": sum(int(s.get("dropped_records") or 0)
+                                         for s in tally.spools
+                                         if s.get("source") in ("recording", "merged")),
         },
         "ranks": current,
+        # every attempt (worker group: a Ray Train or torchrun restart starts one),
+        # oldest first, each with its ranks and how it ended; the last one's ranks are
+        # "ranks" above, the others "previous_attempts"
+        "attempts": attempts,
         "previous_attempts": attempts[:-1],
         "findings": findings,
         "thresholds": analyzer.cfg.to_dict(),
     }
+
+
+def _attempt_end(att: Attempt, replaced: bool) -> str:
+    """How an attempt ended: ``replaced`` (a later attempt started: a restart), else
+    from its ranks' word: ``failed`` (one failed), ``running`` (one still active),
+    ``lost`` (one gone without a word), ``exited`` (one's interpreter exited without
+    closing), ``finished`` (all closed their probes)."""
+    if replaced:
+        return "replaced"
+    statuses = {rs.status for rs in att.ranks.values()}
+    for status, said in (("failed", "failed"), ("active", "running"), ("lost", "lost"),
+                         ("exited", "exited")):
+        if status in statuses:
+            return said
+    return "finished"
+
+
+def _ray_data(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A rank's Ray Data cross-check (``collectors.raytrain``), as it sent it, when its
+    figures are numbers; else None (not measured)."""
+    figures = meta.get("ray_data")
+    if not isinstance(figures, dict):
+        return None
+    keep = {k: figures.get(k) for k in RAY_DATA_FIELDS}
+    numbers = [keep[k] for k in RAY_DATA_FIELDS if k != "agree"]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+        return None
+    keep["agree"] = keep["agree"] if isinstance(keep["agree"], bool) else None
+    return keep
 
 
 def _job_label(run: dict[str, Any]) -> str:
@@ -208,6 +298,9 @@ def format_text(report: dict[str, Any]) -> str:
            f"attempts {run['attempts']}  {run['duration_s']:.0f} s recorded  "
            f"{run['frames']} frames"]
     out += [f"warning: {w}" for w in run["warnings"][:5]]
+    out += _spool_lines(run)
+    if run.get("cut"):
+        out.append(f"note: {run['cut']}")
     out.append("")
     findings = report["findings"]
     if findings:
@@ -237,9 +330,121 @@ def format_text(report: dict[str, Any]) -> str:
             f"{fixed(r['busbw_Bps'], 1e-9, 3):>10} {fixed(r['gpu_util_pct'], 1, 0):>6} "
             f"{fixed(r['peak_bytes'], 1e-9, 2):>8} {fixed(r['headroom_bytes'], 1e-9, 2):>8} "
             f"{r['status']:>8}")
+    out += _attempt_lines(report) + _ray_data_lines(report["ranks"])
     return "\n".join(out)
+
+
+def _attempt_lines(report: dict[str, Any]) -> list[str]:
+    """One line per attempt, when a restart made more than one."""
+    attempts = report.get("attempts") or []
+    if len(attempts) < 2:
+        return []
+    out = ["", "Attempts (a restart starts a new worker group)"]
+    for a in attempts:
+        statuses = ", ".join(f"{n} {s}" for s, n in sorted(
+            _count(r["status"] for r in a["ranks"]).items()))
+        out.append(f"  attempt {a['attempt']}: {len(a['ranks'])} ranks ({statuses}), "
+                   f"{a['steps']} steps, {a['ended']}")
+    return out
+
+
+def _count(items: Iterable[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts
+
+
+def _ray_data_lines(ranks: list[dict[str, Any]]) -> list[str]:
+    """Ray Data's blocked time beside the probe's data wait, per rank that has both."""
+    have = [r for r in ranks if r.get("ray_data")]
+    if not have:
+        return []
+    out = ["", "Ray Data cross-check (Ray Data's time blocked in the iterator, its set-up "
+               "included, against the probe's data wait)"]
+    for r in have:
+        d = r["ray_data"]
+        verdict = {True: "agree", False: "DISAGREE"}.get(d["agree"], "n/a")
+        out.append(f"  rank {r['rank']}: Ray Data {d['blocked_s'] + d['init_s']:.3f} s "
+                   f"(set-up {d['init_s']:.3f} s), probe {d['probe_data_wait_s']:.3f} s "
+                   f"over {d['batches']} batches, {d['passes']} "
+                   f"pass{'' if d['passes'] == 1 else 'es'}: {verdict}")
+    return out
 
 
 def to_json(report: dict[str, Any]) -> str:
     """The report as JSON (NaN never appears: unmeasured is null)."""
     return json.dumps(report, indent=2, allow_nan=False, default=str)
+
+
+def _merge_spools(state: RunState, tally: SpoolTally,
+                  on_frame: Callable[[float, wire.Frame, RunState], None],
+                  res: ReadResult, given: list[str | Path],
+                  directory: Path | Literal[False] | None) -> None:
+    """Apply the spools that belong to this recording and are not in it (see
+    :func:`build_report`) after its last frame, noting each in ``tally.spools`` and
+    any damage in ``res.warnings``. A spool given that cannot be read is a warning;
+    nothing else of the report is lost."""
+    paths: list[tuple[Path, bool]] = [(Path(p), True) for p in given]
+    if directory is not False:
+        for p in spool_files(directory, ingested=True):
+            header = read_header(p)
+            if header is not None and spool_key(header) in tally.ranks:
+                paths.append((p, False))
+    seen: set[str] = set()
+    for path, explicit in paths:
+        try:
+            spool = read_spool(path)
+        except SpoolError as exc:
+            if explicit:
+                res.warnings.append(f"spool {path}: {exc}")
+            continue
+        if spool.id in seen:
+            continue
+        seen.add(spool.id)
+        recorded = spool.id in tally.ids
+        if spool.error and (explicit or not recorded):
+            res.warnings.append(f"spool {path} is damaged: {spool.error}; " + (
+                "the recording holds it already" if recorded else
+                f"its {spool.records} records before the damage are merged"))
+        if recorded:
+            tally.spools.append({**spool.summary(), "source": "already recorded"})
+            continue
+        summary = {**spool.summary(), "source": "merged"}
+        tally.spools.append(summary)
+        tally.current = summary
+        peer = None
+        t = state.now
+        for _, frame in spool.frames:
+            try:
+                rs = state.apply(frame, t, peer=peer)
+            except ProtocolError as exc:
+                res.warnings.append(f"spool {path}: a {frame.kind[:20]} frame skipped: {exc}")
+                if frame.kind == wire.KIND_HELLO:
+                    break
+                continue
+            if frame.kind == wire.KIND_HELLO:
+                peer = rs
+            on_frame(t, frame, state)
+        tally.current = None
+
+
+def _spool_lines(run: dict[str, Any]) -> list[str]:
+    """What came from spools (ranks that could not reach a hub at their end)."""
+    used = [s for s in run.get("spools") or [] if s.get("source") in ("recording", "merged")]
+    if not used:
+        return []
+    ranks = sorted({s.get("rank") for s in used if isinstance(s.get("rank"), int)})
+    merged = sum(1 for s in used if s.get("source") == "merged")
+    line = (f"spooled: {run.get('spooled_records', 0)} records came from {len(used)} "
+            f"spool file{'s' if len(used) != 1 else ''} (rank{'s' if len(ranks) != 1 else ''} "
+            f"{', '.join(str(r) for r in ranks[:8])}{' …' if len(ranks) > 8 else ''}: no hub "
+            f"took them at the end; {merged} merged by this report)")
+    out = [line]
+    if run.get("spool_dropped_records"):
+        out.append(f"spooled: {run['spool_dropped_records']} records did not fit the "
+                   "spools' bound and were dropped (counted in the ranks' dropped records)")
+    damaged = [s for s in used if s.get("error")]
+    out += [f"spooled: {s.get('path')} is damaged: {s.get('error')}" for s in damaged[:5]]
+    return out
+

@@ -25,6 +25,22 @@ def median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(values)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_rtop_session(tmp_path_factory) -> Iterator[None]:
+    """The same isolation for module- and session-scoped fixtures, which are set up
+    before any test's own: no job they start finds or leaves hubs and spools in the
+    user's runtime directory."""
+    root = tmp_path_factory.mktemp("rtop-session")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RTOP_AUTOHUB", "0")
+        mp.setenv("RTOP_RUNS_DIR", str(root / "runs"))
+        mp.setenv("XDG_RUNTIME_DIR", str(root / "xdg"))
+        (root / "xdg").mkdir(mode=0o700, exist_ok=True)
+        for name in ("RTOP_HUB", "RTOP_TOKEN"):
+            mp.delenv(name, raising=False)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _isolated_rtop_env(tmp_path, monkeypatch):
     """No test starts a node-local hub by accident or writes outside its tmp dir."""

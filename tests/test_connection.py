@@ -343,7 +343,8 @@ def test_finish_sends_what_waits_then_bye():
 
 
 def test_finish_with_no_hub_counts_everything_unsent():
-    conn = _conn(f"127.0.0.1:{free_port()}")
+    # with the spool off (with it on, they are spooled: tests/test_spool.py)
+    conn = _conn(f"127.0.0.1:{free_port()}", spool=False)
     conn.send(_batch(0), 4)
     t0 = time.monotonic()
     conn.finish(time.monotonic() + 0.3, dict)

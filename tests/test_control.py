@@ -48,8 +48,9 @@ def wait_for(cond: Any, timeout: float = 30.0, every: float = 0.1) -> bool:
 class Job:
     """A hub and a 2-rank job streaming to it, in the background."""
 
-    def __init__(self, tmp: Path, faults: Faults | None = None, duration_s: float = 90.0
-                 ) -> None:
+    def __init__(self, tmp: Path, faults: Faults | None = None, duration_s: float = 90.0,
+                 failure_grace_s: float = 5.0) -> None:
+        self.failure_grace_s = failure_grace_s
         self.hub = ThreadedHub(record=str(tmp / "run.rtop"), token=MASTER).start()
         self.spec = WorkloadSpec(world_size=2, duration_s=duration_s, hub=self.hub.address,
                                  token=auth.role_token(MASTER, "ingest"), dim=64, hidden=128,
@@ -60,7 +61,8 @@ class Job:
         self.thread.start()
 
     def _run(self) -> None:
-        self.results = run_local(self.spec, timeout_s=300, check=False, stop=self.stop)
+        self.results = run_local(self.spec, timeout_s=300, check=False, stop=self.stop,
+                                 failure_grace_s=self.failure_grace_s)
 
     def steps(self) -> list[int]:
         with HubClient(self.hub.address, MASTER) as c:
@@ -259,5 +261,74 @@ def test_a_rank_killed_during_a_probe_ends_it_for_everyone(tmp_path: Path) -> No
         errors = {e["rank"]: e["error"] for e in out["errors"]}
         assert 1 in errors and "closed" in errors[1]
         assert 0 in errors or 0 in out["missing"]
+        from tests import reliability
+
+        reliability.record(
+            "a rank SIGKILLed in the middle of a link probe's transfers",
+            f"answer named rank 1 ({errors[1]!r}); rank 0's probe gave up on its dead peer "
+            f"({errors.get(0, 'no answer by the deadline')!r})",
+            "the probe's result (it could not finish)")
+    finally:
+        j.close()
+
+
+def test_a_rank_killed_during_a_profile_is_named_and_rtop_holds_no_one(tmp_path: Path
+                                                                       ) -> None:
+    """SIGKILL rank 1 while both ranks capture a profile: the answer names rank 1 (its
+    connection closed) by the deadline, and rank 0 is not held by rtop: the job's own
+    allreduce with its dead peer fails, and rank 0 leaves on its own, never stuck in
+    rtop's code (its training thread's stack, if it is still there, is the job's)."""
+    from tests import reliability
+    from tests.faultkit import proc_alive
+
+    j = Job(tmp_path, failure_grace_s=120.0)
+    try:
+        assert wait_for(j.running, 90)
+        pids = j.pids()
+        result: dict[str, Any] = {}
+
+        def ask() -> None:
+            with control(j) as c:
+                t0 = time.monotonic()
+                result["out"] = c.act("profile", ranks=[0, 1],
+                                      args={"steps": 400, "dir": str(tmp_path / "tr")},
+                                      timeout_s=20)
+                result["took"] = time.monotonic() - t0
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        hub = j.hub.hub
+        assert hub is not None
+
+        def capturing() -> bool:
+            acts = list(hub.actions.running.values())
+            return any(a.at_step is not None and min(j.steps()) > a.at_step + 3
+                       for a in acts)
+
+        assert wait_for(capturing, 30, every=0.05), "the profile never started"
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        asker.join(60)
+        assert not asker.is_alive(), "the profile's answer never came"
+        out = result["out"]
+        errors = {e["rank"]: e["error"] for e in out["errors"]}
+        assert 1 in errors and "closed" in errors[1], out
+        assert 0 in errors or 0 in out["missing"] or 0 in [a["rank"] for a in out["answers"]]
+        assert result["took"] < 20 + 10
+        # rank 0: out on its own (its allreduce fails on the dead peer) ...
+        gone = wait_for(lambda: not proc_alive(pids[0]), 60, every=0.2)
+        where = "left on its own"
+        if not gone:  # ... or, if the job's collective waits on, not in rtop's code
+            with control(j) as c:
+                st = c.act("stacks", ranks=[0], timeout_s=10)
+            main = next(t for t in st["answers"][0]["threads"] if t["name"] == "MainThread")
+            inner = main["frames"][-1]["file"]
+            assert "/collectors/" not in inner and "/rtop/" not in inner, main["frames"][-5:]
+            where = f"blocked in the job's code ({Path(inner).name})"
+        reliability.record(
+            "a rank SIGKILLed in the middle of a profile",
+            f"answer named rank 1 ({errors[1]!r}) in {result['took']:.1f} s; rank 0 "
+            f"{where}, {time.monotonic() - killed:.0f} s after the kill",
+            "rank 1's capture (it was killed)", answer_s=round(result["took"], 1))
     finally:
         j.close()

@@ -67,6 +67,7 @@ def test_the_seam_check_catches_other_imports():
 @pytest.mark.parametrize("module", [
     "collectors", "collectors.probe", "collectors.sender", "collectors.steps",
     "collectors.connection", "collectors.samplers", "collectors.discovery",
+    "collectors.raytrain",
 ])
 def test_importing_collectors_loads_nothing_heavy(module):
     code = (

@@ -290,7 +290,7 @@ def test_the_recorder_never_writes_a_secret(tmp_path):
     assert clean in data, "a frame without secrets is recorded byte for byte"
     frames = [f for _, f in read(path)]
     assert [f.kind for f in frames] == ["run", "clock", "batch", "hello", "batch", "clock",
-                                        "finding"]
+                                        "finding", "end"]  # end: the recorder closed it
     hello_back = frames[3].payload
     assert hello_back["identity"] == {"rank": 0, "world_size": 1}
     assert hello_back["collector"] == {"tokens_per_s": 5.0}  # a metric, not a secret

@@ -137,8 +137,10 @@ def test_stalled_hub_costs_frames_not_training():
         # ... and never read again
 
     threading.Thread(target=accept, daemon=True).start()
+    # spool off: this is about the bound while the job runs and at close; what a spool
+    # keeps of a stalled hub's backlog is tests/test_spool.py's
     probe = _probe(hub=f"127.0.0.1:{port}", token="stall-token", flush_interval_s=0.05,
-                   backlog_frames=4)
+                   backlog_frames=4, spool=False)
     # ~25 MB of step records in a few seconds: more than the kernel's socket buffers
     for i in probe.iter(range(200_000)):
         with probe.step():

@@ -4,6 +4,7 @@ summary and fix out (the detectors decide; ``rtop.analysis.wording`` only says i
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -189,3 +190,21 @@ def test_checkpoint_interval():
     ev.update(gpu_mtbf_h=None, interval_s=None)
     assert wording.summary("checkpoint_interval", [0, 1], ev).startswith(
         "Checkpoints take 120.0 s every n/a s: off the optimum for 8 GPUs (job MTBF 6250 h)")
+
+
+def test_lost_rank_names_the_culprit_and_how_its_followers_went():
+    t = 1796104137.514
+    at = time.strftime("%H:%M:%S", time.localtime(t)) + ".514"
+    ev = {"ranks": {"1": {"last_step": 24, "how": "reset", "lost_at": t}},
+          "whole_node": None, "lost_after_them": [2, 0, 3], "lost_after_count": 3,
+          "followers": {"2": {"how": "SIGTERM"}, "0": {"how": "SIGTERM"},
+                        "3": {"how": "no goodbye"}}}
+    assert wording.summary("lost_rank", [1], ev) == (
+        f"Rank 1 died (connection reset at {at}, no goodbye, last step 24); ranks 0 and 2 "
+        "were torn down after it (SIGTERM); rank 3 went after it (no goodbye).")
+    ev.update(whole_node="b", followers={"0": {"how": "exit"}}, lost_after_them=[0],
+              lost_after_count=1, ranks={"2": {"last_step": 9, "how": "eof", "lost_at": t}})
+    assert wording.summary("lost_rank", [2, 3], ev) == (
+        f"Ranks 2 and 3 died together, every rank of node b (connection closed at {at}, "
+        "no goodbye, last step 9): the node or its container likely went away; rank 0 "
+        "exited after them.")

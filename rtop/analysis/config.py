@@ -38,7 +38,14 @@ class AnalysisConfig:
     onset_evals: int = 2  # consecutive evaluations (0.5 s apart live) before a finding starts
     clear_s: float = 5.0  # a finding ends after its condition has not held this long
     # lost_rank
-    lost_together_s: float = 0.3  # ranks lost this soon after the first are named with it
+    # ranks lost this soon after the first are named with it when they went silent (their
+    # order is not known finer than their batches), or when their connections closed and
+    # they were every rank of the first one's node (the node went away); otherwise the
+    # first connection to close without a goodbye is the culprit and the rest followers
+    lost_together_s: float = 0.3
+    # ranks that said goodbye (terminated by a signal, failed, exited) within this long
+    # after the first rank was lost are listed as its followers
+    lost_follow_s: float = 60.0
     # starved_rank / input_bound
     starved_ratio: float = 3.0  # data wait at least this many times the others' median
     starved_min_wait_s: float = 0.005  # ... and at least this long

@@ -25,6 +25,7 @@ from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.kinds import KINDS
 from rtop.analysis.window import Window, measured
 from rtop.run.snapshot import FindingDict, ProbeLinks, Severity
+from rtop.run.state import RankState
 
 # How much the evidence lists (sizes, not thresholds: a finding's counts are kept whole)
 MAX_EVIDENCE_RANKS = 8  # ranks described one by one
@@ -107,31 +108,81 @@ class Context:
 
 # ---- lost and hung -------------------------------------------------------------------
 
+#: How a rank's connection ended without a goodbye: its order at the hub is known to the
+#: millisecond (``RankState.lost_how``; "silent" ranks are known only to their batches).
+CLOSED = ("reset", "eof", "closed")
+#: Statuses of ranks that said goodbye and, after a rank was lost, count as its followers.
+FOLLOWER_STATUSES = ("failed", "exited")
+
+
+def follower_how(rs: RankState) -> str:
+    """How a rank that went after the culprit ended, for the evidence: the signal that
+    terminated it ("SIGTERM", its goodbye said so), "error", "exit" or "no goodbye"."""
+    if rs.status == "lost":
+        return "no goodbye"
+    error = rs.meta.get("error")
+    if rs.bye_reason == "signal" and isinstance(error, str) \
+            and error.startswith("terminated by SIG"):
+        return error.removeprefix("terminated by ").split()[0]
+    return "error" if rs.status == "failed" else "exit"
+
+
 def lost_rank(ctx: Context) -> Finding | None:
-    """Ranks that stopped sending (silent past the hub's timeout, or gone without bye)."""
+    """Ranks that stopped sending (silent past the hub's timeout, or gone without bye):
+    the first to go is named, the ranks that went after it are its followers.
+
+    A launcher (torchrun, ``mp.spawn``) tears the other ranks down milliseconds after one
+    dies, so the order decides: the first connection to close without a goodbye is the
+    culprit; ranks whose goodbye says a signal terminated them, or that failed or exited
+    after it, and those lost after it, follow. A node that goes away whole (every one of
+    its ranks lost without a goodbye within ``lost_together_s``, the first of them the
+    first of all) names all its ranks, as do ranks that went silent together.
+    """
     w, cfg = ctx.w, ctx.cfg
     lost = [i for i in range(w.n) if w.status[i] == "lost"]
     if not lost:
         return None
     ctx.excluded.update(int(w.rank[i]) for i in lost)
-    # The first to go is the culprit, with those lost the same moment (a node going away);
-    # ranks lost later followed it (a launcher killing the rest, a collective erroring
-    # out): they are evidence.
     at = {i: (w.ranks[i].lost_at or w.ranks[i].last_seen) for i in lost}
-    first = min(at.values())
-    followers = [i for i in lost if at[i] > first + cfg.lost_together_s]
-    lost = [i for i in lost if at[i] <= first + cfg.lost_together_s]
-    ranks = [int(w.rank[i]) for i in lost]
+    lost.sort(key=lambda i: (at[i], int(w.rank[i])))
+    first = lost[0]
+    t0 = at[first]
+    together = [i for i in lost if at[i] <= t0 + cfg.lost_together_s]
+    whole_node = None
+    if w.ranks[first].lost_how in CLOSED:
+        node = w.node_of[first]
+        on_node = [i for i in range(w.n) if w.node_of[i] == node]
+        if len(on_node) > 1 and set(on_node) <= set(together):
+            whole_node = w.ranks[first].node
+            culprits = [i for i in together if w.node_of[i] == node]
+        else:
+            culprits = [first]
+    else:
+        culprits = together
+    culprits.sort(key=lambda i: int(w.rank[i]))  # gone together: their order is noise
+    named = set(culprits)
+    after = {i: at[i] for i in lost if i not in named}
+    for i in range(w.n):
+        rs = w.ranks[i]
+        if w.status[i] in FOLLOWER_STATUSES and t0 <= rs.last_seen <= t0 + cfg.lost_follow_s:
+            after[i] = rs.last_seen
+    followers = sorted(after, key=lambda i: (after[i], int(w.rank[i])))
     ev: dict[str, Any] = {str(w.rank[i]): {"node": w.ranks[i].node,
                                            "last_step": w.ranks[i].last_step,
                                            "silent_s": _f(w.t - w.ranks[i].last_seen),
-                                           "last_phase": w.phase[i]}
-                          for i in lost[:MAX_EVIDENCE_RANKS]}
+                                           "last_phase": w.phase[i],
+                                           "how": w.ranks[i].lost_how,
+                                           "lost_at": round(at[i], 3)}
+                          for i in culprits[:MAX_EVIDENCE_RANKS]}
     then = [int(w.rank[i]) for i in followers]
-    return Finding.of("lost_rank", ranks, {"ranks": ev,
-                                           "lost_after_them": then[:MAX_EVIDENCE_FOLLOWERS],
-                                           "lost_after_count": len(then)},
-                      impact=1.0)  # the job stops: first, whatever else is wrong
+    return Finding.of("lost_rank", [int(w.rank[i]) for i in culprits], {
+        "ranks": ev, "whole_node": whole_node,
+        "lost_after_them": then[:MAX_EVIDENCE_FOLLOWERS], "lost_after_count": len(then),
+        "followers": {str(w.rank[i]): {"node": w.ranks[i].node,
+                                       "how": follower_how(w.ranks[i]),
+                                       "after_s": _f(after[i] - t0)}
+                      for i in followers[:MAX_EVIDENCE_FOLLOWERS]}},
+        impact=1.0)  # the job stops: first, whatever else is wrong
 
 
 def hung_rank(ctx: Context) -> Finding | None:

@@ -13,6 +13,7 @@ names them, in lower case), ``{node}`` (the node of the rank blamed first) and
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -86,17 +87,71 @@ def _count(ev: Evidence, key: str, listed: str) -> int:
 
 # ---- the summaries, one per kind ------------------------------------------------------
 
+def clock(t: float | None) -> str:
+    """A hub time (seconds since the epoch) as this machine's clock time to the
+    millisecond: "12:00:01.234"."""
+    if not measured(t):
+        return NA
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+
+
+#: How a lost rank's connection ended (``RankState.lost_how``), in words.
+CONNECTION_END = {"reset": "connection reset", "eof": "connection closed",
+                  "closed": "connection closed"}
+
+
+def _followers(ranks: Sequence[int], ev: Evidence) -> str:
+    """Who went after the ranks a lost_rank finding names, grouped by how: "ranks 0 and
+    2 were torn down after it (SIGTERM)"; empty when nobody did."""
+    them = _verb(ranks, "it", "them")
+    per_rank = ev.get("followers")
+    count = _count(ev, "lost_after_count", "lost_after_them")
+    if not isinstance(per_rank, Mapping) or not per_rank:
+        if not count:
+            return ""
+        return f"{count} more rank{'s' if count > 1 else ''} went after {them}"
+    groups: dict[str, list[int]] = {}
+    for r, f in per_rank.items():
+        how = f.get("how") if isinstance(f, Mapping) else None
+        groups.setdefault(str(how or "no goodbye"), []).append(int(r))
+    parts = []
+    for how, rs in groups.items():
+        who = names(sorted(rs)).lower()
+        if how.startswith("SIG"):
+            parts.append(f"{who} {_verb(rs, 'was', 'were')} torn down after {them} ({how})")
+        elif how == "error":
+            parts.append(f"{who} failed after {them} (an error)")
+        elif how == "exit":
+            parts.append(f"{who} exited after {them}")
+        else:
+            parts.append(f"{who} went after {them} ({how})")
+    rest = count - len(per_rank)
+    if rest > 0:
+        parts.append(f"{rest} more went after {them}")
+    return "; ".join(parts)
+
+
 def _lost_rank(ranks: Sequence[int], ev: Evidence) -> str:
     r = _first(ranks, ev)
     last_step = r.get("last_step")
-    text = (f"{names(ranks)} stopped reporting (last step "
-            f"{NA if last_step is None else last_step}, {fmt_num(r.get('silent_s'), '.0f')} s "
-            "ago): the process likely died or its node went away; the others will block in "
-            "the next collective.")
-    then = _count(ev, "lost_after_count", "lost_after_them")
+    step = NA if last_step is None else last_step
+    then = _followers(ranks, ev)
+    ended = CONNECTION_END.get(str(r.get("how")))
+    if ended is None:  # silent past the timeout (or evidence without how)
+        text = (f"{names(ranks)} stopped reporting (last step {step}, "
+                f"{fmt_num(r.get('silent_s'), '.0f')} s ago): the process likely died or its "
+                "node went away; the others will block in the next collective.")
+        return f"{text} {then[0].upper()}{then[1:]}." if then else text
+    said = f"{ended} at {clock(r.get('lost_at'))}, no goodbye, last step {step}"
+    node = ev.get("whole_node")
+    if node:
+        text = (f"{names(ranks)} died together, every rank of node {node} ({said}): the "
+                "node or its container likely went away")
+    else:
+        text = f"{names(ranks)} died ({said})"
     if then:
-        text += f" {then} more rank{'s' if then > 1 else ''} went after it."
-    return text
+        return f"{text}; {then}."
+    return f"{text}{'; ' if node else ': '}the others will block in the next collective."
 
 
 def _hung_rank(ranks: Sequence[int], ev: Evidence) -> str:

@@ -4,7 +4,10 @@ The recording starts with a ``run`` frame (what wrote it, when), then holds ever
 the ranks sent, byte for byte as received, interleaved with the hub's own ``clock``
 frames (the hub's time, at most every 0.25 s, so a replay knows when each frame
 arrived), ``offset`` frames (a rank's clock offset) and ``conn`` frames (a rank's
-connection closed). It is flushed at least once a second.
+connection closed), and ends with an ``end`` frame when the hub closes it (a recording
+without one was cut short: ``rtop report`` says where). It is flushed at least once a
+second. When the disk fills or the file becomes unwritable, recording stops with one
+error logged (``failed``); the hub serves its ranks and viewers all the same.
 
 It is opened as a private file (0600, never through a symbolic link, a regular file of
 this user's: :func:`collectors.discovery.open_private`), and it never holds a secret:
@@ -24,7 +27,7 @@ from typing import IO, Any
 
 from collectors import wire
 from collectors.discovery import open_private, safe_name
-from rtop.run.recording import may_hold_secret, scrub
+from rtop.run.recording import KIND_END, may_hold_secret, scrub
 
 log = logging.getLogger("rtop.hub")
 
@@ -149,8 +152,22 @@ class Recorder:
                 self.failed = True
                 log.error("rtop hub: recording to %s stopped: %s", self.path, exc)
 
+    def sync(self) -> None:
+        """Flush, and have the system write the file to disk (before a spool the
+        recording now holds is let go: ``rtop.hub.spool``)."""
+        self.flush()
+        if not self.failed and not self._f.closed:
+            try:
+                os.fsync(self._f.fileno())
+            except OSError as exc:
+                self.failed = True
+                log.error("rtop hub: recording to %s stopped: %s", self.path, exc)
+
     def close(self) -> None:
-        """Flush and close."""
+        """Write the end mark (``KIND_END``: the hub closed the recording, which a
+        report of a recording cut short misses), flush and close."""
+        if not self.failed and not self._f.closed:
+            self.frame(KIND_END, {"t_hub": time.time(), "frames": self.frames + 1}, None)
         self.flush()
         with contextlib.suppress(OSError):
             self._f.close()

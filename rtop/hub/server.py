@@ -66,6 +66,7 @@ from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.monitor import Evaluation, Monitor
 from rtop.hub.control import Actions, default_profile_dir
 from rtop.hub.recorder import Recorder, default_record_path
+from rtop.hub.spool import SpoolIngest
 from rtop.run.snapshot import HubInfo, RankDetail, Snapshot
 from rtop.run.state import KIND_LINKS, MAX_RANKS, ProtocolError, RankState, RunState
 
@@ -121,6 +122,11 @@ class HubConfig:
     window_steps: int = 1200
     window_samples: int = 600
     max_ranks: int = MAX_RANKS  # ranks whose windows the hub holds at most (see RunState)
+    #: where ranks leave spools (records no hub took at their end: rtop.hub.spool); None:
+    #: the runtime directory; "": this hub takes in none
+    spool_dir: str | Path | None = None
+    spool_scan_s: float = 5.0  # how often it looks for spools
+    spool_take_all: bool = False  # take every spool found, not only its own (rtop.hub.spool)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -317,7 +323,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
-        self.hub._lost(self)
+        self.hub._lost(self, exc)
 
     # helpers
     def send(self, kind: str, payload: dict[str, Any]) -> None:
@@ -368,6 +374,10 @@ class Hub:
         self.recorder: Recorder | None = None
         #: actions a control peer asked of the ranks (profile, probe, stacks)
         self.actions = Actions(self)
+        #: takes in the spools of ranks that could not reach a hub at their end
+        self.spools: SpoolIngest | None = None if self.cfg.spool_dir == "" else SpoolIngest(
+            self, Path(self.cfg.spool_dir) if self.cfg.spool_dir else None,
+            self.cfg.spool_scan_s)
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -580,6 +590,8 @@ class Hub:
         self._peer_log.tick(mono)
         self._throttle.prune(mono)
         self.actions.tick(mono)
+        if self.spools is not None:
+            self.spools.tick(mono)
         evaluation = self.monitor.advance(now)
         if evaluation is not None:
             self._report(evaluation)
@@ -758,7 +770,10 @@ class Hub:
                        self.cfg.flood_frames_per_s)
         conn.close()
 
-    def _lost(self, conn: _Conn) -> None:
+    def _lost(self, conn: _Conn, exc: Exception | None = None) -> None:
+        """A connection closed (``exc``: why, None for an orderly end of stream). A
+        rank's without a goodbye: the rank is lost as of now, and how is noted (the
+        first of several to go is the culprit: rtop.analysis.detectors.lost_rank)."""
         self._conns.discard(conn)
         self._release(conn)
         try:
@@ -774,12 +789,16 @@ class Hub:
         if self._closing is not None:
             return
         now = time.time()
-        self.state.on_disconnect(rs, now)
+        how = "eof" if exc is None else ("reset" if isinstance(exc, ConnectionResetError)
+                                         else "closed")
+        self.state.on_disconnect(rs, now, how)
         if self.recorder is not None:
             self.recorder.frame("conn", {"event": "close", "rank": rs.rank,
-                                         "group": rs.identity.group, "clean": False}, now)
-        log.warning("rtop hub: rank %d (%r) disconnected without saying goodbye",
-                    rs.rank, clip(rs.node))
+                                         "group": rs.identity.group, "clean": False,
+                                         "how": how}, now)
+        log.warning("rtop hub: rank %d (%r) disconnected without saying goodbye (%s)",
+                    rs.rank, clip(rs.node), "connection reset" if how == "reset"
+                    else "connection closed")
 
     # ---- clocks ----------------------------------------------------------------------
 
@@ -832,6 +851,11 @@ class Hub:
             conn.next_push = 0.0
         elif frame.kind == wire.KIND_REQUEST:
             if p.get("what") == "rank" and isinstance(p.get("rank"), int):
+                t = conn.transport
+                if t is not None and t.get_write_buffer_size() > self.cfg.viewer_high_water:
+                    # a viewer that does not read: its window is not even built
+                    self.counters["snapshots_skipped"] += 1
+                    return
                 self._offer(conn, wire.encode("rank", self.rank_detail(p["rank"])))
             else:
                 self._offer(conn, self._snapshot_frame())

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,10 @@ _MAYBE_SECRET = re.compile(rb"token|proof|nonce|secret|passw|credential|hmac")
 _CAMEL = re.compile(r"([a-z0-9])([A-Z])")
 _PARTS = re.compile(r"[^a-z0-9]+")
 REDACTED = "[redacted]"
+#: The hub's last frame in a recording it closed (:meth:`rtop.hub.recorder.Recorder.
+#: close`); a recording without one was cut short (a killed hub, a full disk) or is
+#: still being written. Ranks may not send it (not in ``wire.RANK_KINDS``).
+KIND_END = "end"
 
 
 def is_secret_key(key: object) -> bool:
@@ -92,6 +98,29 @@ class ReadResult:
     frames: int = 0
     truncated: bool = False
     warnings: list[str] = field(default_factory=list)
+    #: the hub closed the recording (its last frame is the end mark, ``KIND_END``)
+    closed: bool = False
+    #: where the last whole frame ends, in bytes from the start of the file
+    end_byte: int = 0
+    #: the file's size when it was read (more than ``end_byte`` when cut mid-frame)
+    size_bytes: int = 0
+    #: the hub's time at the last whole frame (None: no frame held a time)
+    last_t_hub: float | None = None
+
+    def cut(self) -> str | None:
+        """Where and how the recording ends, in words, if the hub did not close it
+        (None when it did)."""
+        if self.closed:
+            return None
+        when = "" if self.last_t_hub is None else f", last hub time {_stamp(self.last_t_hub)}"
+        if self.truncated:
+            return (f"recording ends mid-frame at byte {self.end_byte:,} of "
+                    f"{self.size_bytes:,}{when}, after {self.frames:,} whole frames; the "
+                    f"hub stopped without closing it (killed, or its disk filled), or is "
+                    f"still writing it")
+        return (f"recording ends at byte {self.end_byte:,}{when}, after {self.frames:,} "
+                f"whole frames, with no end mark; the hub stopped without closing it "
+                f"(killed), or is still writing it")
 
 
 def read(path: str | Path, result: ReadResult | None = None
@@ -105,14 +134,15 @@ def read(path: str | Path, result: ReadResult | None = None
     res = result if result is not None else ReadResult()
     t_hub = 0.0
     with open(path, "rb") as f:
+        res.size_bytes = os.fstat(f.fileno()).st_size
         first = True
         while True:
             try:
                 frame = wire.read_frame(f)
             except wire.TruncatedStream as exc:
                 res.truncated = True
-                msg = f"{path}: truncated after {res.frames} whole frames ({exc}); "\
-                      "read up to the last whole frame"
+                msg = f"{path}: truncated after {res.frames} whole frames ({exc}) at " \
+                      f"byte {res.end_byte}; read up to the last whole frame"
                 res.warnings.append(msg)
                 log.warning("%s", msg)
                 return
@@ -135,11 +165,26 @@ def read(path: str | Path, result: ReadResult | None = None
                     t_hub = float(started)
             first = False
             res.frames += 1
-            if frame.kind == wire.KIND_CLOCK:
+            res.end_byte = f.tell()
+            res.size_bytes = max(res.size_bytes, res.end_byte)
+            res.closed = frame.kind == KIND_END
+            if frame.kind in (wire.KIND_CLOCK, KIND_END):
                 t = frame.payload.get("t_hub")
                 if _finite_time(t):  # a forged inf or NaN keeps the last good time
                     t_hub = float(t)
+            if t_hub > 0:
+                res.last_t_hub = t_hub
             yield t_hub, frame
+
+
+def _stamp(t: float) -> str:
+    """A hub time as local date and time to the millisecond (as a number when it is
+    beyond what a date can say: a hostile recording's)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + \
+            f".{int(t % 1 * 1000):03d}"
+    except (OverflowError, OSError, ValueError):
+        return f"t={t!r}"
 
 
 def _finite_time(t: object) -> TypeGuard[float]:

@@ -97,6 +97,8 @@ _NAN = float("nan")
 #: has finished: its result, ``rtop.analysis.links.assemble``'s shape
 #: (``{"ranks", "nodes", "matrix_Bps", ...}``), so a replay shows the probe too.
 KIND_LINKS: Final = "links"
+#: How a rank's connection can end without a goodbye (a ``conn`` close frame's ``how``).
+LOST_HOW: Final = ("reset", "eof", "closed")
 #: A rank is warm after this many steps (see ``RankState.warm_wall``) ...
 WARMUP_STEPS = 20
 #: ... or, for slow steps, after at least 3 steps and this many seconds.
@@ -441,6 +443,11 @@ class RankState:
     collector: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, float | None] = field(default_factory=dict)  # once the window is freed
     lost_at: float | None = None  # hub time it was marked lost
+    #: how it was lost: "reset" (connection reset), "eof" (connection closed), "closed"
+    #: (closed, how not known: an older recording) or "silent" (nothing for the timeout)
+    lost_how: str | None = None
+    #: the reason its goodbye gave ("closed", "exit", "signal"), None before one
+    bye_reason: str | None = None
     #: the rank's wall time when it warmed up (its WARMUP_STEPS-th step, or WARMUP_S after
     #: its first for slow steps): the first steps are slow (allocations, caches, loader
     #: workers starting) and memory grows meanwhile, neither of which is a finding
@@ -595,7 +602,11 @@ class RunState:
         att = Attempt(number, group, ident.job, ident.world_size, t_hub)
         for old in self.attempts:
             for rs in old.ranks.values():
-                if rs.status == "active":
+                # still running, or gone without a word (Ray Train tears the group down,
+                # killing its ranks; lost_at/lost_how still say when and how): the new
+                # attempt replaced them. A rank that said it failed, exited or finished
+                # keeps its word.
+                if rs.status in ("active", "lost"):
                     rs.status = "ended"
         self.attempts.append(att)
         self._by_group[group] = att
@@ -660,7 +671,8 @@ class RunState:
                 rtt = _number("offset: 'rtt_s'", p.get("rtt_s"))
                 rs.offset_s, rs.rtt_s = offset, rtt
             else:
-                self.on_disconnect(rs, t_hub)
+                how = p.get("how")
+                self.on_disconnect(rs, t_hub, how if how in LOST_HOW else "closed")
         else:
             rs = None
             if kind == wire.KIND_RUN:
@@ -717,6 +729,7 @@ class RunState:
         assert att is not None
         rs.identity = ident
         rs.status, rs.connected, rs.last_seen = "active", True, t_hub
+        rs.lost_at = rs.lost_how = rs.bye_reason = None
         if collector is not None:
             rs.collector = collector
         att.world_size = max(att.world_size, ident.world_size)
@@ -729,6 +742,7 @@ class RunState:
         dropped = _count("bye: 'dropped'", p.get("dropped"))
         rs.status = "failed" if error else ("exited" if reason == "exit" else "finished")
         rs.connected, rs.last_seen = False, t_hub
+        rs.bye_reason = reason
         if error:
             rs.meta["error"] = error
         if dropped is not None:
@@ -801,7 +815,7 @@ class RunState:
                 rs.cpu_mark = (float(cpu), t_hub)
         rs.last_seen = t_hub
         if rs.status == "lost":
-            rs.status, rs.lost_at = "active", None
+            rs.status, rs.lost_at, rs.lost_how = "active", None, None
         rs.connected = True
 
     @staticmethod
@@ -841,12 +855,14 @@ class RunState:
             row += [_num(m[j]) for j in _MEM_HIST] if m else [_NAN] * len(_MEM_HIST)
             self.samples.append(slot, row)
 
-    def on_disconnect(self, rs: RankState, t_hub: float) -> None:
-        """The rank's connection closed; without a bye it is lost until it reconnects."""
+    def on_disconnect(self, rs: RankState, t_hub: float, how: str = "closed") -> None:
+        """The rank's connection closed (``how``: "reset", "eof" or "closed", see
+        :data:`LOST_HOW`); without a bye it is lost until it reconnects."""
         rs.connected = False
         if rs.status == "active":
             rs.status = "lost"
             rs.lost_at = t_hub
+            rs.lost_how = how
             rs.last_seen = min(rs.last_seen, t_hub)
 
     def tick(self, t_hub: float) -> list[RankState]:
@@ -857,6 +873,7 @@ class RunState:
             if rs.status == "active" and t_hub - rs.last_seen > self.lost_after_s:
                 rs.status = "lost"
                 rs.lost_at = rs.last_seen + self.lost_after_s
+                rs.lost_how = "silent"
                 newly.append(rs)
         return newly
 
