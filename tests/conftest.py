@@ -25,28 +25,27 @@ def median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(values)
 
 
+def _isolate(mp: pytest.MonkeyPatch, root: Any) -> None:
+    """Point rtop's hub discovery, runs and runtime directory under ``root``."""
+    mp.setenv("RTOP_AUTOHUB", "0")
+    mp.setenv("RTOP_RUNS_DIR", str(root / "runs"))
+    mp.setenv("XDG_RUNTIME_DIR", str(root / "xdg"))
+    (root / "xdg").mkdir(mode=0o700, exist_ok=True)
+    for name in ("RTOP_HUB", "RTOP_TOKEN"):
+        mp.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_rtop_session(tmp_path_factory) -> Iterator[None]:
     """The same isolation for module- and session-scoped fixtures, which are set up
     before any test's own: no job they start finds or leaves hubs and spools in the
     user's runtime directory."""
-    root = tmp_path_factory.mktemp("rtop-session")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RTOP_AUTOHUB", "0")
-        mp.setenv("RTOP_RUNS_DIR", str(root / "runs"))
-        mp.setenv("XDG_RUNTIME_DIR", str(root / "xdg"))
-        (root / "xdg").mkdir(mode=0o700, exist_ok=True)
-        for name in ("RTOP_HUB", "RTOP_TOKEN"):
-            mp.delenv(name, raising=False)
+        _isolate(mp, tmp_path_factory.mktemp("rtop-session"))
         yield
 
 
 @pytest.fixture(autouse=True)
 def _isolated_rtop_env(tmp_path, monkeypatch):
     """No test starts a node-local hub by accident or writes outside its tmp dir."""
-    monkeypatch.setenv("RTOP_AUTOHUB", "0")
-    monkeypatch.setenv("RTOP_RUNS_DIR", str(tmp_path / "runs"))
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
-    (tmp_path / "xdg").mkdir(mode=0o700, exist_ok=True)
-    for name in ("RTOP_HUB", "RTOP_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
+    _isolate(monkeypatch, tmp_path)
