@@ -50,7 +50,8 @@ from rtop.client import HubClient  # noqa: E402
 from rtop.workload import WorkloadSpec, free_port, run_local  # noqa: E402
 
 #: The fault suite: every test of these files, and these tests of others.
-FAULT_FILES = ("tests/test_faults_*.py", "tests/test_spool.py", "tests/test_lost_culprit.py")
+FAULT_FILES = ("tests/test_faults_*.py", "tests/test_spool.py", "tests/test_spool_admin.py",
+               "tests/test_acks.py", "tests/test_lost_culprit.py")
 FAULT_TESTS = (
     "tests/test_hub_lifecycle.py::test_hub_killed_and_restarted_under_a_live_job",
     "tests/test_hub_lifecycle.py::test_truncated_recording_replays_up_to_the_last_whole_frame",

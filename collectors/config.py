@@ -119,6 +119,10 @@ class ProbeConfig:
     #: beyond which the oldest queued frames are dropped, their records counted as
     #: ``dropped_unsent`` (like ``backlog_frames``, which counts frames instead).
     max_unsent_bytes: int = 8 * 1024 * 1024
+    #: The socket's send buffer (``SO_SNDBUF``; 0: the system's, which grows to
+    #: megabytes). Kept small: what the kernel holds is out of sight of the bounds
+    #: above, and the frames written are kept until the hub acknowledges them anyway.
+    send_buffer_bytes: int = 256 * 1024
     connect_timeout_s: float = 1.0
     welcome_timeout_s: float = 5.0
     backoff_initial_s: float = 0.2

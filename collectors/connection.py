@@ -17,8 +17,17 @@
   exponential backoff (a refusal waits the longest);
 * keeps batch frames in an outbox until they can be written, dropping the oldest
   (and counting their records) beyond ``backlog_frames`` frames or
-  ``max_unsent_bytes`` bytes; writes them whole through partial writes; on a reconnect
-  sends again the frames not yet started (a frame cut mid-write is lost and counted);
+  ``max_unsent_bytes`` bytes; writes them whole through partial writes;
+* keeps each batch frame written until the hub acknowledges it (``ack``: the hub has
+  recorded and flushed every batch up to that ``seq``; applied, for a hub that does not
+  record or whose recording failed), so a connection that breaks
+  loses nothing that sat in a socket buffer or in a hub killed before it flushed: on a
+  reconnect the frames not acknowledged are sent again first (the hub ignores a batch
+  whose ``seq`` it already holds), then the ones not started. At most
+  ``max_unsent_bytes`` of them are kept; beyond that the oldest are let go unconfirmed
+  (``unconfirmed_records``: most of them did arrive). A hub that does not acknowledge
+  (an older one; its welcome says so) gets the old behaviour: a frame handed whole to
+  the socket counts as sent, a frame cut mid-write is lost and counted;
 * on :meth:`finish`, sends what it can before a deadline, then a ``bye``; what no hub
   took by then (and the ``bye``) goes to the rank's spool file (:mod:`collectors.spool`)
   for a later hub or ``rtop report``, unless ``spool`` is off.
@@ -110,9 +119,15 @@ class HubConnection:
         self._key: bytes | None = None  # this connection's handshake key (ingest role)
         self._nonce = b""  # this connection's nonce
         self._peer = ""  # host:port of the hub this socket goes to
-        self._outbox: deque[tuple[bytes, int]] = deque()  # encoded frames not yet started
+        #: encoded batch frames not yet started: (frame, records, seq)
+        self._outbox: deque[tuple[bytes, int, int]] = deque()
         self._outbox_bytes = 0
-        self._writing: deque[list[Any]] = deque()  # [memoryview, records] being written
+        #: [memoryview, records, seq] being written
+        self._writing: deque[list[Any]] = deque()
+        #: batch frames written, not yet acknowledged by the hub: (seq, frame, records)
+        self._inflight: deque[tuple[int, bytes, int]] = deque()
+        self._inflight_bytes = 0
+        self._acks = False  # this connection's hub acknowledges batches (its welcome)
         self._next_connect = 0.0
         self._backoff = config.backoff_initial_s
         self._finishing = False
@@ -123,6 +138,10 @@ class HubConnection:
         self.sent_records = 0
         self.sent_frames = 0
         self.dropped_unsent = 0
+        #: records written but let go before the hub confirmed them (beyond the bound)
+        self.unconfirmed_records = 0
+        #: batch frames sent again on a new connection (not acknowledged on the old one)
+        self.resent_frames = 0
         self.connects = 0
         self.connect_failures = 0
         self.refusals = 0
@@ -152,6 +171,11 @@ class HubConnection:
         return self._outbox_bytes + sum(len(w[0]) for w in self._writing)
 
     @property
+    def unacked_frames(self) -> int:
+        """Batch frames written and kept until the hub acknowledges them."""
+        return len(self._inflight)
+
+    @property
     def queued_frames(self) -> int:
         """Batch frames in the outbox, not yet started."""
         return len(self._outbox)
@@ -162,6 +186,8 @@ class HubConnection:
             "sent_records": self.sent_records,
             "sent_frames": self.sent_frames,
             "dropped_unsent": self.dropped_unsent,
+            "unconfirmed_records": self.unconfirmed_records,
+            "resent_frames": self.resent_frames,
             "connects": self.connects,
             "connect_failures": self.connect_failures,
             "refusals": self.refusals,
@@ -171,18 +197,19 @@ class HubConnection:
             "connected": int(self.state is ConnState.UP),
         }
 
-    def send(self, frame: bytes, records: int) -> None:
-        """Queue an encoded batch frame holding ``records`` records.
+    def send(self, frame: bytes, records: int, seq: int = 0) -> None:
+        """Queue an encoded batch frame holding ``records`` records, with the batch's
+        ``seq`` (what the hub acknowledges; 0: none, never kept for an ack).
 
         Beyond ``backlog_frames`` queued frames, or ``max_unsent_bytes`` bytes not yet
         written, the oldest queued frames are dropped and their records counted.
         """
-        self._outbox.append((frame, records))
+        self._outbox.append((frame, records, seq))
         self._outbox_bytes += len(frame)
         max_frames, max_bytes = self._cfg.backlog_frames, self._cfg.max_unsent_bytes
         while self._outbox and (len(self._outbox) > max_frames
                                 or self.unsent_bytes > max_bytes):
-            old, lost = self._outbox.popleft()
+            old, lost, _ = self._outbox.popleft()
             self._outbox_bytes -= len(old)
             self.dropped_unsent += lost
 
@@ -212,23 +239,29 @@ class HubConnection:
             now = time.monotonic()
             if now >= deadline:
                 break
-            if self.state is ConnState.UP and not self._outbox and not self._writing:
-                if bye_queued:
-                    break
+            if self.state is ConnState.UP and not self._outbox and not self._writing \
+                    and not bye_queued:
                 self._queue_control(wire.KIND_BYE, bye())
                 bye_queued = True
             self._service(now)
-            if self._sock is None or (bye_queued and not self._writing):
+            # done when the bye is written and the hub has acknowledged every batch
+            if self._sock is None or (bye_queued and not self._writing
+                                      and not self._inflight):
                 break
             select.select([self._sock], [self._sock] if self._writing else [], [],
                           min(0.05, max(0.0, deadline - now)))
-        # what no hub took: batches not yet handed whole to the socket (a frame cut
-        # mid-write is whole here: the hub never applies half a frame), oldest first
-        unsent = [(bytes(w[0].obj), int(w[1])) for w in self._writing if w[1]]
-        unsent += list(self._outbox)
+        # what no hub took: batches the hub did not acknowledge, then those not yet
+        # handed whole to the socket (a frame cut mid-write is whole here: the hub never
+        # applies half a frame), oldest first. An acknowledging hub that got some of
+        # them after all ignores them when it takes the spool (it holds their seq).
+        unsent = [(f, n) for _, f, n in self._inflight]
+        unsent += [(bytes(w[0].obj), int(w[1])) for w in self._writing if w[1]]
+        unsent += [(f, n) for f, n, _ in self._outbox]
         self._outbox.clear()
         self._outbox_bytes = 0
         self._writing.clear()
+        self._inflight.clear()
+        self._inflight_bytes = 0
         records = sum(n for _, n in unsent)
         if records and self._cfg.spool and self._hub_known:
             self._spool(unsent, bye)
@@ -310,14 +343,20 @@ class HubConnection:
         sock.setblocking(False)
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._cfg.send_buffer_bytes > 0:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
+                                self._cfg.send_buffer_bytes)
         self._sock = sock
         self._decoder = wire.FrameDecoder(wire.UNPROVEN_HUB_FRAME_BYTES)
         self._key, self._nonce, self._peer = key, auth.new_nonce(), f"{host}:{port}"
         self.state = ConnState.HELLO
         self._hello_deadline = now + self._cfg.welcome_timeout_s
+        self._acks = False
         if self._on_connect is not None:
             self._on_connect()
-        self._writing.appendleft([memoryview(wire.encode(wire.KIND_HELLO, self._hello())), 0])
+        self._writing.appendleft([memoryview(wire.encode(wire.KIND_HELLO, self._hello())),
+                                  0, 0])
 
     def _hello(self, with_nonce: bool = True) -> dict[str, Any]:
         """This rank's hello (with this connection's nonce for a hub; without, for
@@ -344,8 +383,11 @@ class HubConnection:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
-        # A frame cut mid-write is lost; frames not started go back to the outbox.
-        if self._writing:
+        # A hub that acknowledges: every batch it did not acknowledge goes back to the
+        # outbox, whole, in order (it ignores those it holds). One that does not: a
+        # frame cut mid-write is lost; frames not started go back to the outbox.
+        acks, self._acks = self._acks, False
+        if self._writing and not acks:
             head = self._writing.popleft()
             total = len(head[0].obj)
             if len(head[0]) < total or not requeue:
@@ -353,12 +395,22 @@ class HubConnection:
             else:
                 self._writing.appendleft(head)
         while self._writing:
-            view, n = self._writing.pop()
+            view, n, seq = self._writing.pop()
             if n and requeue:
-                self._outbox.appendleft((bytes(view), n))
-                self._outbox_bytes += len(view)
+                frame = bytes(view.obj)
+                self._outbox.appendleft((frame, n, seq))
+                self._outbox_bytes += len(frame)
             elif n:
                 self.dropped_unsent += n
+        while self._inflight:
+            seq, frame, n = self._inflight.pop()
+            if requeue:
+                self._outbox.appendleft((frame, n, seq))
+                self._outbox_bytes += len(frame)
+                self.resent_frames += 1
+            else:
+                self.dropped_unsent += n
+        self._inflight_bytes = 0
 
     def _lost(self, now: float, why: str, key: str | None = None) -> None:
         self._once(f"lost-{key or why}", logging.INFO, "rtop: %s; training continues, "
@@ -390,9 +442,9 @@ class HubConnection:
             return
         if self.state is ConnState.UP:
             while self._outbox and len(self._writing) < WRITE_QUEUE_FRAMES:
-                frame, n = self._outbox.popleft()
+                frame, n, seq = self._outbox.popleft()
                 self._outbox_bytes -= len(frame)
-                self._writing.append([memoryview(frame), n])
+                self._writing.append([memoryview(frame), n, seq])
         self._write(now)
 
     def _read(self, now: float) -> bool:
@@ -465,6 +517,7 @@ class HubConnection:
 
     def _welcomed(self, frame: wire.Frame) -> None:
         self.state = ConnState.UP
+        self._acks = frame.payload.get("acks") is True
         self.connects += 1
         self._backoff = self._cfg.backoff_initial_s
         self.hub_info.update(frame.payload)
@@ -478,6 +531,8 @@ class HubConnection:
                 "t_rank": time.time(),
                 "seq": frame.payload.get("seq"),
             })
+        elif frame.kind == wire.KIND_ACK:
+            self._acked(frame.payload.get("seq"))
         elif frame.kind == wire.KIND_CONTROL and self.on_control is not None:
             try:
                 self.on_control(frame)
@@ -488,9 +543,35 @@ class HubConnection:
                            _short(repr(exc)))
         # other kinds (and control frames without a handler) are ignored by this collector
 
+    def _acked(self, seq: Any) -> None:
+        """The hub holds every batch up to ``seq``: they are sent, and forgotten."""
+        if type(seq) is not int:
+            return
+        while self._inflight and self._inflight[0][0] <= seq:
+            _, frame, n = self._inflight.popleft()
+            self._inflight_bytes -= len(frame)
+            self.sent_records += n
+            self.sent_frames += 1
+
+    def _written(self, frame: bytes, records: int, seq: int) -> None:
+        """A batch frame handed whole to the socket: kept until the hub acknowledges it
+        (within ``max_unsent_bytes``), or, to a hub that does not, sent."""
+        if not (self._acks and seq):
+            self.sent_records += records
+            self.sent_frames += 1
+            return
+        self._inflight.append((seq, frame, records))
+        self._inflight_bytes += len(frame)
+        while self._inflight_bytes > self._cfg.max_unsent_bytes and len(self._inflight) > 1:
+            _, old, n = self._inflight.popleft()
+            self._inflight_bytes -= len(old)
+            self.unconfirmed_records += n
+            self.sent_records += n
+            self.sent_frames += 1
+
     def _queue_control(self, kind: str, payload: dict[str, Any]) -> None:
         """Queue a protocol frame that carries no records (pong, bye) to be written."""
-        self._writing.append([memoryview(wire.encode(kind, payload)), 0])
+        self._writing.append([memoryview(wire.encode(kind, payload)), 0, 0])
 
     def queue_frame(self, kind: str, payload: dict[str, Any]) -> None:
         """Queue a frame without records (an action's answer) for the hub, when one is
@@ -516,8 +597,7 @@ class HubConnection:
             if len(head[0]) == 0:
                 self._writing.popleft()
                 if head[1]:
-                    self.sent_records += head[1]
-                    self.sent_frames += 1
+                    self._written(head[0].obj, head[1], head[2])
 
 
 def _short(text: str, limit: int = LOG_CHARS) -> str:

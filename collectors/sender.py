@@ -354,7 +354,7 @@ class Sender(threading.Thread):
             self._once("encode", logging.WARNING, "rtop: could not encode a batch: %r", exc)
             self._unencoded += n
             return
-        self.connection.send(frame, n)
+        self.connection.send(frame, n, self._seq)
 
     # ---- the connection's callbacks ----------------------------------------------
 

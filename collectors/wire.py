@@ -62,6 +62,8 @@ KIND_RESULT: Final = "result"  # an action's progress or answer (rank -> hub -> 
 # Hub -> rank
 KIND_PING: Final = "ping"  # asks for a pong (clock offset refresh)
 KIND_CONTROL: Final = "control"  # an action: to a rank, or from a control peer to the hub
+#: the batches up to ``seq`` are the hub's (recorded and flushed): the rank forgets them
+KIND_ACK: Final = "ack"
 # Viewer <-> hub
 KIND_SUBSCRIBE: Final = "subscribe"
 KIND_SNAPSHOT: Final = "snapshot"

@@ -45,6 +45,16 @@ def _action_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
+def _duration(text: str) -> float:
+    """An argparse type: ``2d``, ``6h``, ``30m``, ``45s`` in seconds."""
+    from rtop.run.spool_admin import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_ranks(text: str) -> list[int]:
     """``"0,3,5-7"`` → ``[0, 3, 5, 6, 7]``; raises :class:`UsageError` on anything else."""
     out: set[int] = set()
@@ -153,6 +163,27 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
 
     sub.add_parser("list", help="list the hubs rtop can find")
+
+    spool = sub.add_parser(
+        "spool", help="list or prune this node's spool files",
+        description="Spool files hold the records a rank kept on disk when no hub took "
+                    "them at its end, in the runtime directory; a hub on the node takes "
+                    "its own in. Hubs remove them in time (ingested ones after a day, "
+                    "those no hub took after a week, the oldest beyond 1 GiB for all).")
+    spool_sub = spool.add_subparsers(dest="spool_command")
+    spool_list = spool_sub.add_parser(
+        "list", help="each spool: its rank, records, age and state (the default)")
+    spool_list.add_argument("--json", action="store_true", help="print JSON")
+    spool_prune = spool_sub.add_parser(
+        "prune", help="remove old spools now, and say which",
+        description="Remove the spools no hub took (waiting or bad) last touched over "
+                    "--older-than ago, ingested ones over a day old (or --older-than if "
+                    "shorter), and the oldest beyond the budget of all spools. A spool a "
+                    "live hub is recording is never removed.")
+    spool_prune.add_argument("--older-than", type=_duration, default=None, metavar="AGE",
+                             help="e.g. 2d, 6h, 30m (default: 7d)")
+    spool_prune.add_argument("--all-ingested", action="store_true",
+                             help="remove every spool a hub has recorded, whatever its age")
 
     profile = sub.add_parser(
         "profile", help="capture a few steps with torch.profiler on running ranks",
@@ -268,6 +299,8 @@ def _run(args: argparse.Namespace) -> int:
         return cmd_status(args)
     if args.command == "list":
         return cmd_list()
+    if args.command == "spool":
+        return cmd_spool(args)
     if args.command == "token":
         return cmd_token(args)
     if args.command in ("profile", "probe", "stacks"):
@@ -558,6 +591,36 @@ def cmd_list() -> int:
     if not hubs:
         print("no running hubs found")
     return 0
+
+
+def cmd_spool(args: argparse.Namespace) -> int:
+    """``rtop spool [list|prune]``: this node's spool files. Exit 0, or 1 when the
+    directory cannot be read or a file cannot be removed."""
+    import json
+
+    from collectors.discovery import runtime_dir
+    from rtop.run import spool_admin
+    from rtop.run.spool import KEEP_INGESTED_S, prune
+
+    try:
+        directory = runtime_dir()
+        entries = spool_admin.list_spools(directory) if args.spool_command != "prune" \
+            else []
+    except OSError as exc:
+        print(f"rtop spool: {exc}", file=sys.stderr)
+        return 1
+    if args.spool_command != "prune":
+        print(json.dumps(spool_admin.to_json(directory, entries))
+              if getattr(args, "json", False) else spool_admin.format_list(directory, entries))
+        return 0
+    older = args.older_than
+    res = prune(directory, time.time(), keep_unclaimed_s=older,
+                keep_ingested_s=None if older is None else min(older, KEEP_INGESTED_S),
+                all_ingested=args.all_ingested)
+    print(spool_admin.format_pruned(directory, res))
+    for error in res.errors:
+        print(f"rtop spool: {error}", file=sys.stderr)
+    return 1 if res.errors else 0
 
 
 def format_snapshot(snap: Snapshot) -> str:

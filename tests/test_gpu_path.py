@@ -210,6 +210,7 @@ def test_a_sticky_cuda_error_keeps_the_sender_going_and_the_goodbye_carries_the_
     assert [r["step"] for r in rows] == list(range(10))
     assert all(r["gpu_s"] is not None for r in rows[:3])
     assert all(r["gpu_s"] is None for r in rows[3:])
+    _wait_for("the goodbye", lambda: len(_byes(listener)) == 1)  # the listener's thread
     [bye] = _byes(listener)
     assert bye["error"] == "RuntimeError: CUDA error: device-side assert triggered"
     assert bye["reason"] == "exit"

@@ -19,13 +19,16 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from collectors import wire
+from collectors import auth, wire
+from rtop.client import HubClient
 from rtop.hub.service import ThreadedHub
 from rtop.run.recording import read
 from rtop.run.spool import read_header, read_spool, recorded_ranks, spool_key
@@ -75,7 +78,8 @@ def _report(path: Path, *args: str, json_out: bool = True) -> Any:
 def _take_in(runtime: Path, record: Path, expect: int) -> dict[str, int]:
     """Start a new hub on the same runtime directory, told to take every spool (``rtop
     serve --take-spools``); wait until it has taken in ``expect`` spools; stop it; its
-    counters."""
+    counters, checked to be in its snapshot and its ``/metrics`` as viewers and
+    Prometheus get them."""
     hub = ThreadedHub(record=str(record), spool_scan_s=0.2, spool_take_all=True).start()
     try:
         deadline = time.monotonic() + 30
@@ -85,8 +89,19 @@ def _take_in(runtime: Path, record: Path, expect: int) -> dict[str, int]:
                 break
             time.sleep(0.1)
         counters = dict(hub.hub.spools.counters) if hub.hub and hub.hub.spools else {}
+        view = auth.role_token(hub.token, "view")
+        with HubClient(hub.address, view) as client:
+            shown = client.snapshot()["hub"]["counters"]
+        req = urllib.request.Request(f"http://{hub.address}/metrics",
+                                     headers={"Authorization": f"Bearer {view}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            metrics = resp.read().decode()
     finally:
         hub.stop()
+    assert {k: shown.get(k) for k in counters} == counters
+    exported = {s.name: s.value for fam in text_string_to_metric_families(metrics)
+                for s in fam.samples}
+    assert {k: exported.get(f"rtop_hub_{k}_total") for k in counters} == counters
     return counters
 
 

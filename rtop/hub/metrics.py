@@ -133,6 +133,16 @@ HUB_COUNTERS = {
     "http_timeouts": "HTTP requests not whole in time",
     "actions": "Control actions run",
     "action_errors": "Control actions that failed",
+    # spools: records ranks kept on disk when no hub took them at their end
+    "spools": "Spool files taken in and recorded",
+    "spool_records": "Records taken in from spool files",
+    "spool_dropped_records": "Records the ranks left out of their spool files (its size "
+                             "or time bound)",
+    "spools_bad": "Spool files that could not be read (renamed .bad)",
+    "spools_damaged": "Spool files taken in damaged (their whole frames before the damage "
+                      "recorded)",
+    "spools_pruned": "Spool files no hub recorded that the hub removed (past their time or "
+                     "the spools' byte budget): their records are lost",
 }
 
 

@@ -258,6 +258,7 @@ class _Conn(asyncio.Protocol):
         self.spoke = False
         self.partial_since: float | None = None
         self.rank: RankState | None = None
+        self.acked = 0  # the batch seq last acknowledged to this rank
         self.clean = False
         self.closing = False
         self.bytes_in = _Bucket(hub.cfg.flood_bytes_per_s, hub.cfg.flood_burst_s)
@@ -398,7 +399,7 @@ class Hub:
         self.counters = {"connections": 0, "refused": 0, "bad_frames": 0, "floods": 0,
                          "silent": 0, "snapshots_skipped": 0, "snapshots_sent": 0,
                          "forbidden": 0, "unauthenticated_timeouts": 0, "busy": 0,
-                         "throttled": 0, "http_timeouts": 0}
+                         "throttled": 0, "http_timeouts": 0, "duplicate_batches": 0}
 
     def role_token(self, role: str) -> str:
         """The token of a role (``ingest``, ``view``, ``control``) for this hub."""
@@ -550,9 +551,22 @@ class Hub:
                 self._housekeep(time.monotonic(), time.time())
             except Exception:
                 log.exception("rtop hub: housekeeping failed")
-            if self.recorder is not None and time.monotonic() >= next_flush:
+            if self.recorder is None:
+                self._ack_ranks()
+            elif time.monotonic() >= next_flush:
                 self.recorder.flush()
                 next_flush = time.monotonic() + 1.0
+                self._ack_ranks()  # what is flushed survives this hub: the ranks let it go
+
+    def _ack_ranks(self) -> None:
+        """Tell each rank the last batch this hub holds (recorded and flushed, when it
+        records): the rank forgets the frames it kept to send again (``ack``)."""
+        for conn in list(self._conns):
+            rs = conn.rank
+            if conn.role == "rank" and rs is not None and not conn.closing \
+                    and rs.last_seq is not None and rs.last_seq != conn.acked:
+                conn.acked = rs.last_seq
+                conn.send(wire.KIND_ACK, {"seq": rs.last_seq})
 
     def _housekeep(self, mono: float, now: float) -> None:
         cfg = self.cfg
@@ -733,6 +747,11 @@ class Hub:
             if conn.rank is not None:
                 self._pong(conn, conn.rank, frame.payload, now)
             return
+        if self.state.is_duplicate(frame, conn.rank):
+            # sent again after a reconnect: this hub holds it (acknowledged soon)
+            self.state.duplicate_frames += 1
+            self.counters["duplicate_batches"] += 1
+            return
         if frame.kind == wire.KIND_HELLO:  # recorded without anything of the handshake
             clean = {k: v for k, v in frame.payload.items() if k not in SECRET_KEYS}
             frame = wire.Frame(wire.KIND_HELLO, clean)
@@ -747,13 +766,20 @@ class Hub:
         if frame.kind == wire.KIND_HELLO and rs is not None:
             first = conn.rank is None
             conn.rank = rs
-            if first:
-                conn.send(wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__})
+            if first:  # acks: this hub acknowledges batches (collectors.connection)
+                conn.send(wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__,
+                                              "acks": True})
                 log.info("rtop hub: rank %d of %d (%r, attempt %d) connected from %r",
                          rs.rank, rs.identity.world_size, clip(rs.node), rs.attempt,
                          conn.who)
         elif frame.kind == wire.KIND_BYE:
             conn.clean = True
+            if rs is not None and rs.last_seq is not None:
+                # the rank waits for this before it leaves (or spools what is not)
+                if self.recorder is not None:
+                    self.recorder.flush()
+                conn.acked = rs.last_seq
+                conn.send(wire.KIND_ACK, {"seq": rs.last_seq})
 
     def _bad(self, conn: _Conn, exc: Exception) -> None:
         self.counters["bad_frames"] += 1
@@ -830,8 +856,9 @@ class Hub:
 
     def snapshot(self) -> Snapshot:
         """The current snapshot, with findings when the monitor diagnoses."""
+        spools = self.spools.counters if self.spools is not None else {}
         return self.monitor.snapshot(hub=HubInfo(
-            address=self.address, counters=dict(self.counters),
+            address=self.address, counters={**self.counters, **spools},
             record=str(self.recorder.path) if self.recorder else None))
 
     def _snapshot_frame(self) -> bytes:

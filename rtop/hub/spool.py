@@ -27,6 +27,11 @@ renamed ``.ingested`` (kept a day for ``rtop report`` on another recording; a re
 never counts a spool whose id the recording already holds). A spool that is not one
 (no header) is renamed ``.bad`` with one warning; a damaged one gives the whole frames
 before the damage, and the damage is recorded and logged.
+
+Every scan, recording or not, ends with :func:`rtop.run.spool.prune`: spools past
+their time (ingested ones a day, those no hub took a week) and the oldest beyond the
+budget of all spools go, in one log line per pass that removed any (a warning when
+some were never recorded: their records are lost, and counted in ``spools_pruned``).
 """
 
 from __future__ import annotations
@@ -63,8 +68,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rtop.hub")
 
-#: Ingested spools are kept this long for ``rtop report`` on other recordings.
-KEEP_INGESTED_S = 24 * 3600.0
 _NOT_READ: set[tuple[str, int, str, int]] = set()  # the recording not read yet
 
 
@@ -80,10 +83,10 @@ class SpoolIngest:
         self._spool_groups: set[str] = set()  # attempts that spools made
         #: the rank processes the recording held when this hub started (rank_key)
         self._recorded: set[tuple[str, int, str, int]] = _NOT_READ
-        #: spools taken in, records they held, records their ranks had left out, and
-        #: spools that could not be read
+        #: spools taken in, records they held, records their ranks had left out,
+        #: spools that could not be read, and spools no hub recorded that it removed
         self.counters = {"spools": 0, "spool_records": 0, "spool_dropped_records": 0,
-                         "spools_bad": 0, "spools_damaged": 0}
+                         "spools_bad": 0, "spools_damaged": 0, "spools_pruned": 0}
 
     def tick(self, mono: float) -> None:
         """From the hub's housekeeping: start a scan when one is due (the first one
@@ -96,40 +99,50 @@ class SpoolIngest:
         self._task = self.hub._spawn(self.scan())
 
     async def scan(self) -> None:
-        """Look for spools and take in those that are this hub's."""
-        recorder = self.hub.recorder
-        if recorder is None or recorder.failed:
-            return  # nowhere to keep them: left for a hub that records
+        """Take in the spools that are this hub's (when it records), then prune."""
         try:
-            if self._recorded is _NOT_READ:  # once: the rank processes recorded before
-                self._recorded = await asyncio.to_thread(recorded_ranks, recorder.path)
-            paths = await asyncio.to_thread(spool_files, self.directory)
-            for path in paths:
-                header = await asyncio.to_thread(read_header, path)
-                if header is None:
-                    if path.exists():  # not one taken by another hub meanwhile
-                        await self._bad(path, "no readable spool header")
-                    continue
-                if not self.wanted(header):
-                    continue
-                claimed = claim(path)
-                if claimed is None:
-                    continue  # another hub took it
-                try:
-                    spool = await asyncio.to_thread(read_spool, claimed)
-                except SpoolError as exc:
-                    await self._bad(claimed, str(exc))
-                    continue
-                if self.hub.recorder is None or self.hub.recorder.failed:
-                    mark(claimed, "")  # nowhere to keep it now: left for a later hub
-                    continue
-                self.take(spool)
-                mark(claimed, INGESTED)
-            await asyncio.to_thread(prune, self.directory, KEEP_INGESTED_S, time.time())
+            recorder = self.hub.recorder
+            if recorder is not None and not recorder.failed:
+                await self._take_in()
+            # (a hub that does not record keeps no spool, but bounds them all the same)
+            res = await asyncio.to_thread(prune, self.directory, time.time())
+            if res.removed:
+                self.counters["spools_pruned"] += res.unrecorded
+                log.log(logging.WARNING if res.unrecorded else logging.INFO,
+                        "rtop hub: spools in %s: %s", res.removed[0].path.parent,
+                        res.summary())
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("rtop hub: looking for spools failed")
+
+    async def _take_in(self) -> None:
+        recorder = self.hub.recorder
+        assert recorder is not None
+        if self._recorded is _NOT_READ:  # once: the rank processes recorded before
+            self._recorded = await asyncio.to_thread(recorded_ranks, recorder.path)
+        paths = await asyncio.to_thread(spool_files, self.directory)
+        for path in paths:
+            header = await asyncio.to_thread(read_header, path)
+            if header is None:
+                if path.exists():  # not one taken by another hub meanwhile
+                    await self._bad(path, "no readable spool header")
+                continue
+            if not self.wanted(header):
+                continue
+            claimed = claim(path)
+            if claimed is None:
+                continue  # another hub took it
+            try:
+                spool = await asyncio.to_thread(read_spool, claimed)
+            except SpoolError as exc:
+                await self._bad(claimed, str(exc))
+                continue
+            if self.hub.recorder is None or self.hub.recorder.failed:
+                mark(claimed, "")  # nowhere to keep it now: left for a later hub
+                continue
+            self.take(spool)
+            mark(claimed, INGESTED)
 
     async def _bad(self, path: Path, why: str) -> None:
         self.counters["spools_bad"] += 1
@@ -173,6 +186,10 @@ class SpoolIngest:
         peer = None
         applied = bad = 0
         for raw, frame in spool.frames:
+            if hub.state.is_duplicate(frame, peer):
+                # a batch this hub got after all (its ack did not reach the rank in time)
+                hub.state.duplicate_frames += 1
+                continue
             try:
                 rs = hub.monitor.apply(frame, now, peer=peer)
             except ProtocolError as exc:

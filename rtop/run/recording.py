@@ -116,11 +116,12 @@ class ReadResult:
         if self.truncated:
             return (f"recording ends mid-frame at byte {self.end_byte:,} of "
                     f"{self.size_bytes:,}{when}, after {self.frames:,} whole frames; the "
-                    f"hub stopped without closing it (killed, or its disk filled), or is "
-                    f"still writing it")
+                    f"hub stopped without closing it (killed, or its disk filled or "
+                    f"became unwritable: its log says), or is still writing it")
         return (f"recording ends at byte {self.end_byte:,}{when}, after {self.frames:,} "
                 f"whole frames, with no end mark; the hub stopped without closing it "
-                f"(killed), or is still writing it")
+                f"(killed, or its disk became unwritable: its log says), or is still "
+                f"writing it")
 
 
 def read(path: str | Path, result: ReadResult | None = None

@@ -8,8 +8,12 @@ user's runtime directory under one of these names:
   gone is waiting again;
 * ``...rtop.ingested``: a hub recorded it (kept a day for ``rtop report`` on the
   recording the rank was sending to; never recorded twice in one recording: the hub
-  writes the spool's ``id`` beside its frames, see :func:`spool_ids`);
-* ``...rtop.bad``: not a spool a hub can read (kept for a person to look at).
+  writes the spool's ``id`` beside its frames, see :class:`SpoolTally`);
+* ``...rtop.bad``: not a spool a hub can read (kept a week for a person to look at).
+
+They are bounded (:func:`prune`, run by every hub's scan and by ``rtop spool prune``):
+ingested ones go after a day, spools no hub took after a week, and beyond 1 GiB for
+all of them together the oldest go first; never one a live hub is recording.
 
 Reading checks the file as the hub files are checked (a regular file of this user's,
 0600, not a link: :func:`collectors.discovery.read_private_file`), and reads every
@@ -173,26 +177,201 @@ def read_header(path: Path) -> dict[str, Any] | None:
     return dict(frame.payload) if frame.kind == KIND_SPOOL else None
 
 
-def prune(directory: Path | None, older_than_s: float, now: float) -> int:
-    """Remove ingested spools (and half-written ones) last touched over
-    ``older_than_s`` seconds before ``now`` (wall clock); returns how many. Never
-    raises."""
-    removed = 0
-    try:
-        rdir = directory or runtime_dir()
-        paths = list(rdir.glob(f"{SPOOL_PREFIX}*{SPOOL_SUFFIX}{INGESTED}"))
-        # and what a rank killed while writing its spool left (never renamed into place)
-        paths += list(rdir.glob(f".{SPOOL_PREFIX}*.tmp"))
-    except OSError:
-        return 0
-    for path in paths:
-        try:
-            if now - path.stat().st_mtime > older_than_s:
-                path.unlink()
-                removed += 1
-        except OSError:
+#: Ingested spools are kept this long for ``rtop report`` on other recordings.
+KEEP_INGESTED_S = 24 * 3600.0
+#: Spools no hub took (waiting, or ``.bad``) are removed this long after they were
+#: last touched: their hub never came (see :func:`prune`).
+KEEP_UNCLAIMED_S = 7 * 24 * 3600.0
+#: The most all the spools of a directory may hold together; beyond it the oldest are
+#: removed (see :func:`prune`).
+SPOOLS_BUDGET_BYTES = 1 << 30
+#: No spool younger than this is removed for the budget, nor a half-written one: its
+#: rank may be writing it, or its hub about to take it.
+MIN_PRUNE_AGE_S = 300.0
+
+#: A spool's states (see the module doc); ``partial``: a ``.spool-*.tmp`` file a rank
+#: was writing (one killed meanwhile leaves it).
+WAITING, CLAIMED, INGESTED_STATE, BAD_STATE, PARTIAL = (
+    "waiting", "claimed", "ingested", "bad", "partial")
+
+
+def spool_state(path: Path) -> str | None:
+    """The state of a file named as a spool (waiting, claimed, ingested, bad, partial;
+    the claim of a hub that is gone is waiting again), or None for any other name."""
+    name = path.name
+    if name.startswith(f".{SPOOL_PREFIX}") and name.endswith(".tmp"):
+        return PARTIAL
+    if not name.startswith(SPOOL_PREFIX) or SPOOL_SUFFIX not in name:
+        return None
+    if name.endswith(SPOOL_SUFFIX):
+        return WAITING
+    if name.endswith(INGESTED):
+        return INGESTED_STATE
+    if name.endswith(BAD):
+        return BAD_STATE
+    pid = claim_pid(path)
+    if pid is None:
+        return None
+    return CLAIMED if pid_alive(pid) else WAITING
+
+
+def all_spools(directory: Path | None = None) -> list[tuple[Path, str, os.stat_result]]:
+    """Every file of ``directory`` (default: the runtime directory) named as a spool,
+    whatever its state, with its state and ``lstat``, oldest first. Raises
+    :class:`OSError` when the directory cannot be read."""
+    rdir = directory or runtime_dir()
+    out: list[tuple[Path, str, os.stat_result]] = []
+    for path in list(rdir.glob(f"{SPOOL_PREFIX}*{SPOOL_SUFFIX}*")) + \
+            list(rdir.glob(f".{SPOOL_PREFIX}*.tmp")):
+        state = spool_state(path)
+        if state is None:
             continue
-    return removed
+        try:
+            st = path.lstat()
+        except OSError:
+            continue  # taken or removed meanwhile
+        out.append((path, state, st))
+    out.sort(key=lambda e: (e[2].st_mtime, e[0].name))
+    return out
+
+
+def fmt_age(seconds: float) -> str:
+    """A duration the way ``rtop spool`` takes one: ``45s``, ``12m``, ``6h``, ``7d``."""
+    s = max(0.0, seconds)
+    for unit, div in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if s >= div:
+            v = s / div
+            return (f"{v:.0f}" if v >= 10 else f"{v:.1f}".removesuffix(".0")) + unit
+    return f"{s:.0f}s"
+
+
+def fmt_size(n: float) -> str:
+    """Bytes in binary units (spool bounds are set in them): ``64 MiB``, ``1 GiB``."""
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            v = n / div
+            return (f"{v:.0f}" if v >= 10 else f"{v:.1f}".removesuffix(".0")) + f" {unit}"
+    return f"{n:.0f} B"
+
+
+@dataclass(frozen=True)
+class Removed:
+    """One file a prune pass removed."""
+
+    path: Path
+    state: str  # as :func:`spool_state` says
+    why: str  # "age", "budget", or "asked" (every ingested one, ``--all-ingested``)
+    size_bytes: int
+    age_s: float  # since it was last touched
+
+
+@dataclass
+class PruneResult:
+    """What a prune pass removed, and the bounds it applied."""
+
+    keep_ingested_s: float
+    keep_unclaimed_s: float
+    budget_bytes: int
+    removed: list[Removed] = field(default_factory=list)
+    #: files it could not remove, or the directory it could not read: one line each
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def unrecorded(self) -> int:
+        """Spools removed that no hub recorded (waiting or bad): records lost."""
+        return sum(r.state in (WAITING, BAD_STATE) for r in self.removed)
+
+    def reason(self, r: Removed) -> str:
+        """Why one was removed, in words that follow a count ("2 waiting over 7d ...")."""
+        if r.why == "budget":
+            return f"{r.state} beyond the {fmt_size(self.budget_bytes)} budget of all spools"
+        if r.why == "asked":
+            return "ingested (all asked for)"
+        if r.state == INGESTED_STATE:
+            return f"ingested over {fmt_age(self.keep_ingested_s)} ago"
+        if r.state == PARTIAL:
+            return "half-written (their rank died writing)"
+        if r.state == BAD_STATE:
+            return f"bad (unreadable) over {fmt_age(self.keep_unclaimed_s)} old"
+        return f"waiting over {fmt_age(self.keep_unclaimed_s)} (no hub took them)"
+
+    def summary(self) -> str:
+        """One line: how many were removed, and why."""
+        whys: dict[str, int] = {}
+        for r in self.removed:
+            text = self.reason(r)
+            whys[text] = whys.get(text, 0) + 1
+        size = sum(r.size_bytes for r in self.removed)
+        n = len(self.removed)
+        return (f"removed {n} spool file{'s' if n != 1 else ''} ({fmt_size(size)}): "
+                + ", ".join(f"{k} {w}" for w, k in whys.items()))
+
+
+def prune(directory: Path | None, now: float, *, keep_ingested_s: float | None = None,
+          keep_unclaimed_s: float | None = None, budget_bytes: int | None = None,
+          all_ingested: bool = False) -> PruneResult:
+    """Remove the spools of ``directory`` (default: the runtime directory) past their
+    time, then the oldest beyond the budget; ``now`` is the wall clock. Never raises.
+
+    * ingested ones last touched over ``keep_ingested_s`` (:data:`KEEP_INGESTED_S`)
+      ago, or every one with ``all_ingested``;
+    * waiting and ``.bad`` ones (no hub took them) over ``keep_unclaimed_s``
+      (:data:`KEEP_UNCLAIMED_S`);
+    * half-written ones over the shorter of the two (never one younger than
+      :data:`MIN_PRUNE_AGE_S`);
+    * then, while all the spools together hold over ``budget_bytes``
+      (:data:`SPOOLS_BUDGET_BYTES`): ingested ones first, then the others, oldest first,
+      never one younger than :data:`MIN_PRUNE_AGE_S`.
+
+    A spool a live hub has claimed is never removed: it is being recorded.
+    """
+    res = PruneResult(
+        KEEP_INGESTED_S if keep_ingested_s is None else keep_ingested_s,
+        KEEP_UNCLAIMED_S if keep_unclaimed_s is None else keep_unclaimed_s,
+        SPOOLS_BUDGET_BYTES if budget_bytes is None else budget_bytes)
+    try:
+        found = all_spools(directory)
+    except OSError as exc:
+        res.errors.append(f"cannot read the spool directory: {exc}")
+        return res
+    keep = {INGESTED_STATE: res.keep_ingested_s, WAITING: res.keep_unclaimed_s,
+            BAD_STATE: res.keep_unclaimed_s,
+            PARTIAL: max(MIN_PRUNE_AGE_S, min(res.keep_ingested_s, res.keep_unclaimed_s))}
+    left: list[tuple[Path, str, os.stat_result]] = []
+    for path, state, st in found:
+        age = now - st.st_mtime
+        if state == INGESTED_STATE and all_ingested:
+            why = "asked"
+        elif state != CLAIMED and age > keep[state]:
+            why = "age"
+        else:
+            left.append((path, state, st))
+            continue
+        _remove(res, path, state, why, st, age)
+    total = sum(st.st_size for _, _, st in left)
+    if total > res.budget_bytes:
+        order = sorted((e for e in left if e[1] != CLAIMED
+                        and now - e[2].st_mtime >= MIN_PRUNE_AGE_S),
+                       key=lambda e: (e[1] != INGESTED_STATE, e[2].st_mtime))
+        for path, state, st in order:
+            if total <= res.budget_bytes:
+                break
+            if _remove(res, path, state, "budget", st, now - st.st_mtime):
+                total -= st.st_size
+    return res
+
+
+def _remove(res: PruneResult, path: Path, state: str, why: str, st: os.stat_result,
+            age_s: float) -> bool:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False  # claimed, taken in or removed meanwhile
+    except OSError as exc:
+        res.errors.append(f"cannot remove {path}: {exc.strerror or exc}")
+        return False
+    res.removed.append(Removed(path, state, why, st.st_size, age_s))
+    return True
 
 
 def claim_pid(path: Path) -> int | None:
@@ -250,7 +429,7 @@ def mark(path: Path, suffix: str) -> Path | None:
     except OSError:
         return None
     with contextlib.suppress(OSError):
-        os.utime(target)  # kept a day from now (see prune)
+        os.utime(target)  # kept from now on (see prune)
     return target
 
 

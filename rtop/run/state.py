@@ -439,6 +439,9 @@ class RankState:
     mem_device: str | None = None
     stack: str | None = None
     stack_t: float | None = None
+    #: the ``seq`` of the last batch applied from this rank process (a batch at or below
+    #: it, sent again after a reconnect or found again in a spool, is not applied twice)
+    last_seq: int | None = None
     events: deque[list[Any]] = field(default_factory=lambda: deque(maxlen=64))
     collector: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, float | None] = field(default_factory=dict)  # once the window is freed
@@ -519,6 +522,8 @@ class RunState:
         self.frames = 0
         self.step_records = 0
         self.bad_frames = 0
+        #: batches not applied because their rank process's batch of that ``seq`` was
+        self.duplicate_frames = 0
         self._links: ProbeLinks | None = None
         self._links_attempt: int | None = None
 
@@ -663,7 +668,13 @@ class RunState:
                 kind == "conn" and p.get("event") == "close"):
             rs = self._rank_of(p, peer)
             if kind == wire.KIND_BATCH:
+                if self.is_duplicate(frame, rs):
+                    self.duplicate_frames += 1
+                    return rs
                 self.on_batch(rs, p, t_hub, history)
+                seq = p.get("seq")
+                if type(seq) is int and seq > 0:
+                    rs.last_seq = seq
             elif kind == wire.KIND_BYE:
                 self.on_bye(rs, p, t_hub)
             elif kind == "offset":
@@ -683,6 +694,15 @@ class RunState:
                 self.set_links(p, t_hub)
             # clock frames and unknown kinds only move time forward
         return rs
+
+    def is_duplicate(self, frame: wire.Frame, rs: RankState | None) -> bool:
+        """Whether ``frame`` is a batch that rank ``rs``'s process already delivered (a
+        rank sends again what its hub had not acknowledged when a connection broke):
+        :meth:`apply` does not apply it, and a hub does not record it again. A batch
+        without a ``seq`` of 1 or more (a collector counts from 1) is never one."""
+        seq = frame.payload.get("seq") if frame.kind == wire.KIND_BATCH else None
+        return (rs is not None and type(seq) is int and seq > 0 and rs.last_seq is not None
+                and seq <= rs.last_seq)
 
     def _rank_of(self, p: dict[str, Any], peer: RankState | None = None) -> RankState:
         rank = p.get("rank")
@@ -727,6 +747,8 @@ class RunState:
             rs = RankState(ident, att.number, self._slot(att), first_seen=t_hub)
             att.ranks[ident.rank] = rs
         assert att is not None
+        if (rs.identity.pid, rs.identity.hostname) != (ident.pid, ident.hostname):
+            rs.last_seq = None  # another process in this rank's place counts afresh
         rs.identity = ident
         rs.status, rs.connected, rs.last_seen = "active", True, t_hub
         rs.lost_at = rs.lost_how = rs.bye_reason = None

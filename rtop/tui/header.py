@@ -67,4 +67,7 @@ class JobHeader(Static):
                      "dim" if not j.dropped else "yellow")
         if j.bad_frames:
             line2.append(f", {j.bad_frames} bad frames", "yellow")
+        spooled = ((snap.get("hub") or {}).get("counters") or {}).get("spool_records")
+        if isinstance(spooled, int) and spooled > 0:  # kept on disk by ranks, taken in
+            line2.append(f", {spooled} from spools", "dim")
         self.update(Text("\n").join([line1, line2]), layout=False)
