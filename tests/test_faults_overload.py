@@ -1,7 +1,7 @@
 """Fault suite: the collectors emit far faster than the hub takes.
 
 A real 2-rank DDP job with ~1 ms steps (every step a record) runs in a network
-namespace whose link to ``rtop serve`` is throttled to 256 kbit/s (``tbf``): several
+namespace whose link to ``rtop serve`` is throttled to 96 kbit/s (``tbf``): several
 times less than the ranks emit. The hub is besides stopped (SIGSTOP) for 3 s out of
 every 4: it takes nothing in, then a burst. A viewer process watches throughout.
 Checked: memory stays bounded in the ranks, the hub and the viewer; the ranks drop
@@ -44,13 +44,13 @@ NET = JobNetns("rtop-fo-job", "rfo0", "rfo0h", "10.79.1.1", "10.79.1.2")
 
 @pytest.fixture
 def throttled_netns():
-    """The job's namespace, its link to the hub held to 256 kbit/s each way (root)."""
+    """The job's namespace, its link to the hub held to 96 kbit/s each way (root)."""
     NET.build()
     try:
         for ns, dev in ((NET.ns, NET.dev), (None, NET.host_dev)):
             pre = ["ip", "netns", "exec", ns] if ns else []
             NET.sh(*pre, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                   "256kbit", "burst", "16kb", "latency", "100ms")
+                   "96kbit", "burst", "16kb", "latency", "100ms")
         yield NET
     finally:
         NET.teardown()
@@ -92,8 +92,11 @@ def test_a_hub_that_cannot_keep_up_costs_counted_drops_and_bounded_memory(
     assert hub.pid is not None
     spec = tiny(duration_s=stalled_s + 8.0, hub=address,
                 token=auth.role_token(MASTER, "ingest"),
+                # a 16 kB socket send buffer (the kernel may give twice that): the
+                # default 256 kB would take longer than this test to fill at this rate
                 probe_settings={"backlog_frames": 8, "flush_interval_s": 0.1,
-                                "max_unsent_bytes": 1 << 20},
+                                "max_unsent_bytes": 1 << 20,
+                                "send_buffer_bytes": 16 * 1024},
                 fault_mark_dir=str(tmp_path))
     procs = NET.start_ranks(spec, out, 29661)
     viewer = None
@@ -151,7 +154,7 @@ def test_a_hub_that_cannot_keep_up_costs_counted_drops_and_bounded_memory(
     assert ratio < 1.5, ratio
     steps = sum(len(r["times"]) for r in results)
     reliability.record(
-        f"overload: ~1 ms steps from 2 ranks over a 256 kbit/s link (tbf), the hub "
+        f"overload: ~1 ms steps from 2 ranks over a 96 kbit/s link (tbf), the hub "
         f"SIGSTOPped 3 s of every 4, for {stalled_s:.0f} s",
         "ranks dropped what they could not keep, counted; the header showed it while the "
         "job ran; memory bounded in the ranks, the hub and a viewer",

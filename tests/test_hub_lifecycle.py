@@ -161,7 +161,6 @@ def test_hub_killed_and_restarted_under_a_live_job(tmp_path):
     dropped = sum(r["stats"]["dropped_unsent"] for r in results)
     unconfirmed = sum(r["stats"]["unconfirmed_records"] for r in results)
     resent = sum(r["stats"]["resent_frames"] for r in results)
-    assert resent > 0, [r["stats"] for r in results]  # the kill cost unacknowledged frames
     assert lost <= dropped + unconfirmed, (lost, dropped, unconfirmed)
     reliability.record(
         "hub SIGKILLed mid-run, a new `rtop serve` on the same port",
