@@ -5,8 +5,8 @@ meanwhile, written to ``docs/reliability.md``.
    the hub-killed, hub-absent and stalled-hub tests, the control actions that meet a
    dying rank), run with ``RTOP_RELIABILITY_LONG=1`` (longer faults) and
    ``RTOP_RELIABILITY_OUT`` (each test's :func:`tests.reliability.record` rows: the
-   fault, the outcome, what was lost, its figures). A test that records nothing gets a
-   row from its docstring and its result.
+   fault, the outcome, what was lost, its figures). A test that records nothing is
+   listed after the table, from its docstring and its result (a failed one gets a row).
 2. **The bad-input suite** (``tests/test_security_*.py``, ``tests/test_fuzz.py``): one
    row per test, the input it tries (from its docstring or name) and the result.
 3. **The overhead under faults**: the same real 2-rank gloo DDP job (``rtop.workload``'s
@@ -50,8 +50,8 @@ from rtop.client import HubClient  # noqa: E402
 from rtop.workload import WorkloadSpec, free_port, run_local  # noqa: E402
 
 #: The fault suite: every test of these files, and these tests of others.
-FAULT_FILES = ("tests/test_faults_*.py", "tests/test_spool.py", "tests/test_spool_admin.py",
-               "tests/test_acks.py", "tests/test_lost_culprit.py")
+FAULT_FILES = ("tests/test_faults_*.py", "tests/test_spool.py", "tests/test_acks.py",
+               "tests/test_lost_culprit.py")
 FAULT_TESTS = (
     "tests/test_hub_lifecycle.py::test_hub_killed_and_restarted_under_a_live_job",
     "tests/test_hub_lifecycle.py::test_truncated_recording_replays_up_to_the_last_whole_frame",
@@ -337,12 +337,21 @@ def write_doc(out: Path, command: str, started: float, took: float,
         lines.append(f"- {label}: pytest exit status {rc}, {secs:.0f} s")
     if missing:
         lines.append(f"- not found (not run): {', '.join(missing)}")
+    # a row for each fault that measured something (or failed); the suite's smaller
+    # tests, which assert their outcome without figures, listed after the table
+    measured = [f for f in faults if f["outcome"] is not None]
+    asserted = [f for f in faults if f["outcome"] is None]
     lines += ["", "| fault | outcome | lost | figures | test | result |",
               "|---|---|---|---|---|---|"]
-    for f in faults:
+    for f in measured:
         lines.append(f"| {_md(f['fault'])} | {_md(f['outcome'])} | {_md(f['lost'])} | "
                      f"{_md(_figures(f['figures']))} | `{_md(f['test'])}` | "
                      f"{_md(f['result'])} ({f['seconds']:.0f} s) |")
+    if asserted:
+        lines += ["", f"Also in the fault suite: {len(asserted)} tests that assert their "
+                  "outcome and measure no figure for this table.", ""]
+        lines += [f"- {_md(f['fault'])}: {f['result']} ({f['seconds']:.0f} s), "
+                  f"`{_md(f['test'])}`" for f in asserted]
     lines += ["", "## Bad input", "",
               "The security issue's tests: each sends a hub, a rank or a reader something "
               "hostile or malformed and asserts what rtop does with it (refuse, bound, "
@@ -430,7 +439,7 @@ def main() -> None:
                                      for t in fault_targets if "::" in t}
         for case in junit_cases(work / "faults.xml"):
             rows = recorded.get(case["id"]) or [{
-                "fault": _describe(case, docs), "outcome": "as the test asserts"
+                "fault": _describe(case, docs), "outcome": None
                 if case["result"] == "passed" else case["message"],
                 "lost": "not measured", "figures": {}}]
             for row in rows:

@@ -39,7 +39,10 @@ Only the thread that trains (the one that started the probe) is instrumented.
 
 **Standing aside.** A process whose code starts its own probe (the contract API, or a
 Lightning or Hugging Face callback) first keeps it: the instrumentation stands aside, as
-it does when it notices steps it did not record. ``RTOP_DISABLE=1`` turns everything
+it does when it notices steps it did not record, or a ``probe.step()`` entered inside a
+step of its own (a callback that starts after the model is built gets the probe this
+module started; from the next step boundary its steps are the ones recorded, and the
+step that held its first one is recorded once). ``RTOP_DISABLE=1`` turns everything
 off.
 
 **Never into the job.** Every place this module runs on the training thread is a
@@ -143,6 +146,7 @@ class Auto:
         self._fetch_thread: int | None = None  # the last to fetch with autograd on
         self._open: Any = None  # the step context entered and not yet exited
         self._expect = 0  # the probe's step count after the last step ended here
+        self._entered = 0  # the probe's step-enter count once the open step was entered
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._sharded: list[weakref.ref[Any]] = []  # FSDP modules not yet watched
         self._undo: list[Callable[[], None]] = []
@@ -246,7 +250,9 @@ class Auto:
 
     def _boundary(self, probe: Probe) -> None:
         """A step boundary: end the open step; watch models sharded since the last one."""
-        if probe.step_count != self._expect:
+        if probe.step_count != self._expect or (
+                self._open is not None and probe.activity.entered != self._entered):
+            # steps recorded, or a step entered inside the one open here, by someone else
             self._stand_aside("the code records steps of its own (the contract API or a "
                               "callback)")
             return
@@ -259,6 +265,7 @@ class Auto:
         step = probe.step()
         step.__enter__()
         self._open = step
+        self._entered = probe.activity.entered
 
     def _exit(self) -> None:
         step, self._open = self._open, None

@@ -29,7 +29,7 @@ class Activity:
     the sender thread.
     """
 
-    __slots__ = ("depth", "phase", "since", "thread_id")
+    __slots__ = ("depth", "entered", "phase", "since", "thread_id")
 
     def __init__(self) -> None:
         #: ``"idle"``, ``"data"``, ``"compute"``, ``"comm"``, ``"checkpoint"``, ...
@@ -38,6 +38,9 @@ class Activity:
         self.since = time.perf_counter()
         #: How many ``probe.step()`` contexts are open (nesting is allowed).
         self.depth = 0
+        #: How many times a ``probe.step()`` context was entered, at any depth (so a
+        #: step timer can tell that someone else entered one inside its own).
+        self.entered = 0
         #: The training thread's ident, once known (whose stack a long phase sends).
         self.thread_id: int | None = None
 

@@ -160,6 +160,7 @@ class _StepTimer:
         a = self._a
         try:
             a.depth += 1
+            a.entered += 1
             if a.depth == 1:
                 t = time.perf_counter()
                 p._t_enter = t

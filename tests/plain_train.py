@@ -6,11 +6,15 @@ steps are done; ``--exit-code N`` exits with N after training. ``--epochs``,
 ``--accumulate K`` (an optimizer step every K batches), ``--validate`` (a pass over a
 validation loader under ``torch.no_grad()`` after each epoch) and ``--workers N``
 (``--persistent``: persistent workers) make it look like more real loops.
+``--own-steps-from K`` times its own steps from batch K on, as a framework callback that
+starts late does: ``collectors.start()`` (under ``rtop run``, the probe already running)
+and ``with probe.step():`` around each later step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -54,6 +58,7 @@ def main() -> int:
     ap.add_argument("--validate", action="store_true")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--persistent", action="store_true")
+    ap.add_argument("--own-steps-from", type=int, default=-1)
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -67,12 +72,18 @@ def main() -> int:
     step = epoch = 0
     while args.forever or epoch < args.epochs:
         for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y) / args.accumulate
-            loss.backward()
-            step += 1
-            if step % args.accumulate == 0:
-                opt.step()
-                opt.zero_grad()
+            timer = contextlib.nullcontext()
+            if 0 <= args.own_steps_from <= step:
+                import collectors  # only with --own-steps-from: otherwise nothing of rtop
+
+                timer = collectors.start().step()
+            with timer:
+                loss = torch.nn.functional.mse_loss(model(x), y) / args.accumulate
+                loss.backward()
+                step += 1
+                if step % args.accumulate == 0:
+                    opt.step()
+                    opt.zero_grad()
             if args.forever and step == 5:
                 print("training", flush=True)
         if args.validate:

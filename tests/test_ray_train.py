@@ -1,12 +1,13 @@
-"""A real Ray Train TorchTrainer job on CPU using the contract API."""
+"""The hub actor a Ray Train rank makes when no hub is given, through the seam
+(``collectors.discovery.ray_hub``), on a real Ray cluster. (The contract API in a real
+Ray Train job: tests/test_ray_restarts.py; a job finding the actor hub with no
+settings: tests/test_hub_lifecycle.py.)"""
 
 from __future__ import annotations
 
 import pytest
 
 ray = pytest.importorskip("ray")
-
-from rtop.workload import WorkloadSpec, ray_train_loop  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -16,46 +17,6 @@ def ray_cluster():
     yield
     if ray.is_initialized():
         ray.shutdown()
-
-
-def test_ray_train_ranks_report_with_ray_world_ranks(listener, ray_cluster, tmp_path):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    # The contract: collectors.start() with no arguments, hub from the environment.
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {
-        "RTOP_HUB": listener.address, "RTOP_TOKEN": listener.token}})
-    spec = WorkloadSpec(world_size=2, steps=25, dim=64, hidden=128, layers=2, batch=16,
-                        loader="ray_data")
-    import numpy as np
-
-    rows = 2 * spec.steps * spec.batch
-    dataset = ray.data.from_items(
-        [{"x": np.random.rand(spec.dim).astype("float32"), "y": float(i % 7)}
-         for i in range(rows)])
-    trainer = TorchTrainer(
-        ray_train_loop,
-        datasets={"train": dataset},
-        train_loop_config={"spec": spec.to_json()},
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-        run_config=RunConfig(storage_path=str(tmp_path), name="rtop-ray-test"),
-    )
-    trainer.fit()
-    ray.shutdown()
-    steps = listener.records("steps")
-    assert sorted(steps) == [0, 1]
-    for rank in (0, 1):
-        hello = listener.hellos[rank]["identity"]
-        assert hello["source"] == "ray"
-        assert hello["rank"] == rank and hello["world_size"] == 2
-        assert hello["job"], "Ray Train's run id is the job"
-        assert hello["group"], "the worker group's id tells attempts apart"
-        assert len(steps[rank]) == 25
-        assert all(r["comm_bytes"] and r["comm_bytes"] > 0 for r in steps[rank])
-        # the probe wrapped Ray Data's iter_torch_batches iterator
-        assert all(r["data_wait_s"] is not None for r in steps[rank])
-        assert all(r["samples"] == spec.batch for r in steps[rank])
-    assert listener.hellos[0]["identity"]["group"] == listener.hellos[1]["identity"]["group"]
 
 
 def test_hub_actor_is_made_through_the_seam(ray_cluster):

@@ -91,8 +91,9 @@ def test_killed_rank_is_lost(tmp_path):
 
 
 def test_memory_growing_towards_a_small_capacity(tmp_path):
-    capacity = 1_000_000_000  # RSS starts near 0.35 GB; 0.5 MB more per step fills it
-    out = run_scenario(tmp_path, Faults(mem_grow_bytes_per_step={1: 512 << 10},
+    capacity = 1_000_000_000  # RSS starts near 0.3-0.5 GB; 0.5 MB more per step fills it
+    grow = 512 << 10
+    out = run_scenario(tmp_path, Faults(mem_grow_bytes_per_step={1: grow},
                                         start_step=START),
                        world=2, duration_s=60.0, check=False, timeout_s=90,
                        probe_settings={"memory_capacity_bytes": capacity},
@@ -101,7 +102,11 @@ def test_memory_growing_towards_a_small_capacity(tmp_path):
     assert f["ranks"] == [1]
     ev = f["evidence"]["ranks"]["1"]
     assert ev["capacity_bytes"] == capacity
-    assert ev["steps_to_oom"] is not None and ev["steps_to_oom"] < 1000
+    # the truth at the moment it was found: what is left of the capacity over the growth
+    # per step (the estimate is a fitted bytes/s slope times a measured step rate)
+    truth = (capacity - ev["used_bytes"]) / grow
+    assert ev["steps_to_oom"] is not None
+    assert 0.6 * truth <= ev["steps_to_oom"] <= 1.5 * truth, (ev["steps_to_oom"], truth)
     assert ev["param_bytes"] > 0 and ev["optim_bytes"] > 0
     assert "activation checkpointing" in f["fix"]
     assert out.kinds <= {"memory_wall"}, f"spurious: {sorted(out.first_seen)}"
@@ -142,53 +147,3 @@ def test_report_json_lists_findings_worst_first(tmp_path):
                           capture_output=True, text=True, check=True).stdout
     first, second = kinds
     assert text.index(first) < text.index(second) < text.index("rank node")
-
-
-@pytest.mark.ray
-def test_starved_rank_in_a_ray_train_job(tmp_path):
-    ray = pytest.importorskip("ray")
-    import threading
-    import time
-
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from rtop.hub.service import ThreadedHub
-    from rtop.workload import WorkloadSpec, ray_train_loop
-    from tests.scenarios import BASE
-
-    hub = ThreadedHub(job="ray-scenario", record=str(tmp_path / "run.rtop"),
-                      thresholds=AnalysisConfig()).start()
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    first_seen: dict = {}
-    findings: dict = {}
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            for f in hub.call(lambda h: list(h.monitor.findings)):
-                first_seen.setdefault((f["kind"], tuple(f["ranks"])), time.time())
-                findings[f["kind"]] = f
-            time.sleep(0.1)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {
-        "RTOP_HUB": hub.address, "RTOP_TOKEN": hub.token}})
-    try:
-        spec = WorkloadSpec(world_size=2, duration_s=12.0, fault_mark_dir=str(marks),
-                            faults=Faults(loader_sleep_s={1: 0.030}, start_step=START), **BASE)
-        TorchTrainer(ray_train_loop, train_loop_config={"spec": spec.to_json()},
-                     scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                     run_config=RunConfig(storage_path=str(tmp_path), name="starved")).fit()
-        time.sleep(2)
-    finally:
-        ray.shutdown()
-        done.set()
-        watcher.join()
-        hub.stop()
-    onset = min(float(p.read_text()) for p in marks.glob("fault-rank*"))
-    assert {k for k, _ in first_seen} == {"starved_rank"}, sorted(first_seen)
-    assert findings["starved_rank"]["ranks"] == [1]
-    assert first_seen[("starved_rank", (1,))] - onset <= 3.0
