@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from collectors import lastgasp
@@ -92,6 +92,10 @@ def start(
     global _probe
     with _lock:
         if _probe is not None and not getattr(_probe, "_closed", False):
+            hook = _on_start_again
+            if hook is not None:
+                with contextlib.suppress(Exception):  # never raise into the job
+                    hook()
             return _probe
         config = ProbeConfig.from_env(hub=hub, token=token, **settings)
         if not config.enabled:
@@ -120,6 +124,12 @@ def _install_excepthook() -> None:
 
     hook._rtop = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+#: Called when :func:`start` is called again while the probe runs: rtop run's automatic
+#: instrumentation (:mod:`collectors.autoinstrument`) sets it, to stand aside for code
+#: (a framework callback, the contract API) that times its own steps.
+_on_start_again: Callable[[], None] | None = None
 
 
 def current() -> Probe | NullProbe | None:

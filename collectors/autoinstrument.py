@@ -39,11 +39,12 @@ Only the thread that trains (the one that started the probe) is instrumented.
 
 **Standing aside.** A process whose code starts its own probe (the contract API, or a
 Lightning or Hugging Face callback) first keeps it: the instrumentation stands aside, as
-it does when it notices steps it did not record, or a ``probe.step()`` entered inside a
-step of its own (a callback that starts after the model is built gets the probe this
-module started; from the next step boundary its steps are the ones recorded, and the
-step that held its first one is recorded once). ``RTOP_DISABLE=1`` turns everything
-off.
+it does when the code calls ``collectors.start()`` later, once this module's probe runs
+(a callback that starts after the model is built, or a loop that starts timing late: the
+step a fetch just began is then left to the code), when it notices steps it did not
+record, or a ``probe.step()`` entered inside one of its own (code that took the probe
+with ``collectors.current()``: the step that held it is recorded once, then the code's).
+``RTOP_DISABLE=1`` turns everything off.
 
 **Never into the job.** Every place this module runs on the training thread is a
 guarded point of :mod:`collectors.guard` (:data:`POINTS`): an error turns the automatic
@@ -147,6 +148,7 @@ class Auto:
         self._open: Any = None  # the step context entered and not yet exited
         self._expect = 0  # the probe's step count after the last step ended here
         self._entered = 0  # the probe's step-enter count once the open step was entered
+        self._takeover = False  # another thread called collectors.start(): stand aside
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._sharded: list[weakref.ref[Any]] = []  # FSDP modules not yet watched
         self._undo: list[Callable[[], None]] = []
@@ -246,11 +248,31 @@ class Auto:
         except Exception as exc:
             self._failed("auto.model", exc)
 
+    def code_takes_over(self) -> None:
+        """The code called ``collectors.start()`` while the probe this instrumentation
+        started runs: a framework callback or the contract API times its own steps from
+        now on. Stand aside; on the training thread, the step a fetch just began is
+        dropped (its wait goes to the code's first step), elsewhere the next step
+        boundary stands aside. Never raises."""
+        if self.off or self.probe is None:
+            return
+        try:
+            if threading.get_ident() != self._thread:
+                self._takeover = True
+                return
+            if self._open is not None:
+                self._open = None
+                self.probe._drop_open_step()
+            self._stand_aside("the code records steps of its own (the contract API or a "
+                              "callback)")
+        except Exception as exc:
+            self._failed("auto.start", exc)
+
     # ---- steps ------------------------------------------------------------------------
 
     def _boundary(self, probe: Probe) -> None:
         """A step boundary: end the open step; watch models sharded since the last one."""
-        if probe.step_count != self._expect or (
+        if probe.step_count != self._expect or self._takeover or (
                 self._open is not None and probe.activity.entered != self._entered):
             # steps recorded, or a step entered inside the one open here, by someone else
             self._stand_aside("the code records steps of its own (the contract API or a "
@@ -417,6 +439,8 @@ class Auto:
         self.off = True
         while self._undo:
             self._undo.pop()()
+        if collectors._on_start_again == self.code_takes_over:
+            collectors._on_start_again = None
 
 
 _installed: Auto | None = None
@@ -440,6 +464,7 @@ def install(torch: Any) -> Auto:
             raise
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=auto._after_fork)
+        collectors._on_start_again = auto.code_takes_over
         _installed = auto
         return auto
 

@@ -367,6 +367,21 @@ class Probe:
                 return ray_data
         return TimedIterable(self, iterable)
 
+    def _drop_open_step(self) -> None:
+        """Forget the step entered and not yet exited, recording nothing (rtop run's
+        automatic step, when the code takes the step timing over right after a fetch):
+        the wait just timed stays for the step the code begins next. Training thread
+        only."""
+        a = self.activity
+        if a.depth <= 0:
+            return
+        a.depth -= 1
+        if a.depth == 0:
+            start, self._cuda_start = self._cuda_start, None
+            if start is not None and self.cuda is not None:
+                self.cuda.release(start)
+            a.phase, a.since = "idle", time.perf_counter()
+
     def step(self) -> _StepTimer | _NoStep:
         """Context manager around one training step (forward, backward, optimizer)."""
         return self._step_timer

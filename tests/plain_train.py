@@ -7,8 +7,9 @@ steps are done; ``--exit-code N`` exits with N after training. ``--epochs``,
 validation loader under ``torch.no_grad()`` after each epoch) and ``--workers N``
 (``--persistent``: persistent workers) make it look like more real loops.
 ``--own-steps-from K`` times its own steps from batch K on, as a framework callback that
-starts late does: ``collectors.start()`` (under ``rtop run``, the probe already running)
-and ``with probe.step():`` around each later step.
+starts late does: ``collectors.start()`` (under ``rtop run``, the probe already running;
+``--own-steps-via current``: ``collectors.current()``, which tells no one) and
+``with probe.step():`` around each later step.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--persistent", action="store_true")
     ap.add_argument("--own-steps-from", type=int, default=-1)
+    ap.add_argument("--own-steps-via", choices=["start", "current"], default="start")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -76,7 +78,9 @@ def main() -> int:
             if 0 <= args.own_steps_from <= step:
                 import collectors  # only with --own-steps-from: otherwise nothing of rtop
 
-                timer = collectors.start().step()
+                probe = collectors.start() if args.own_steps_via == "start" \
+                    else collectors.current()
+                timer = probe.step()
             with timer:
                 loss = torch.nn.functional.mse_loss(model(x), y) / args.accumulate
                 loss.backward()

@@ -123,23 +123,26 @@ def test_micro_batches_validation_and_persistent_workers(tmp_path):
     assert all(r["data_wait_s"] is not None and r["samples"] == 8 for r in steps)
 
 
-def test_steps_timed_by_the_code_from_a_late_start_are_recorded_once(tmp_path):
-    """A callback that starts after the model is built (Hugging Face's on_train_begin)
-    gets the probe rtop run started and times its own steps inside the automatic ones:
-    the automatic timing stands aside at the next boundary, and each batch is one step
-    (not one more for a batch the loader fetched ahead and nobody trained on)."""
+@pytest.mark.parametrize("via", ["start", "current"])
+def test_steps_timed_by_the_code_from_a_late_start_are_recorded_once(tmp_path, via):
+    """Code that starts timing its own steps once rtop run's probe runs (a Hugging Face
+    or Lightning callback calls ``collectors.start()`` after the model is built) gets
+    that probe: the automatic timing stands aside and each batch is one step, once.
+    Through ``collectors.start()`` it is told, and leaves the step the fetch just began
+    to the code (with its wait); through ``collectors.current()`` it is not, and sees
+    the code's step inside its own at the next boundary."""
     record = tmp_path / "own.rtop"
     proc = _run(["--record", str(record), "--", sys.executable, "tests/plain_train.py",
-                 "--steps", "12", "--own-steps-from", "4", "--slow-s", "0.01"],
-                _env(tmp_path))
+                 "--steps", "12", "--own-steps-from", "4", "--own-steps-via", via,
+                 "--slow-s", "0.01"], _env(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout == "done 12 steps\n" and _warnings(proc.stderr) == []
     steps = _steps(record)[0]
     assert [r["step"] for r in steps] == list(range(12))
-    # the automatic steps (a fetch begins each) carry the data wait; the code's own
-    # steps, from the one after the boundary where it stood aside, do not (its loop
-    # does not time the loader)
-    assert all(r["data_wait_s"] is not None for r in steps[:5])
+    # the automatic steps (a fetch begins each) carry the data wait, and so does the
+    # code's first (it got the automatic step's wait, or ran inside that step); the
+    # code's later steps do not (its loop does not time the loader)
+    assert all(r["data_wait_s"] is not None for r in steps[:5]), steps[:5]
     assert all(r["data_wait_s"] is None for r in steps[5:]), steps[5:]
     notes = [note for _, frame in read(record) if frame.kind == wire.KIND_BATCH
              for note in (frame.payload.get("meta") or {}).get("notes", [])]
