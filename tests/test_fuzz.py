@@ -26,9 +26,11 @@ case here, 20 s per 10,000 before the code under test runs; a byte string costs
 smaller case). The interpreter favours what a hostile peer likes: the edges of every
 limit, non-finite floats, markup and escape sequences, and repetition.
 
-Case counts come from ``HYPOTHESIS_PROFILE``: ``ci`` (the default: 10,000 per target),
-``fuzz`` (1,000,000: ``make fuzz``) or ``dev`` (300, to iterate). Every failing case
-ever found is kept as an ``@example``.
+Case counts come from ``HYPOTHESIS_PROFILE``: ``ci`` (the default, ``make test``: 10,000
+per target, shared among that target's properties), ``full`` (``make reliability``'s
+bad-input suite: 10,000 per property), ``fuzz`` (``make fuzz``: 1,000,000 per property)
+or ``dev`` (300 per property, to iterate). Every failing case ever found is kept as an
+``@example``.
 """
 
 from __future__ import annotations
@@ -70,13 +72,18 @@ from rtop.tui.source import recording_span
 
 # ---- profiles -------------------------------------------------------------------------
 
-#: cases per target, by ``HYPOTHESIS_PROFILE``
-PROFILES = {"ci": 10_000, "fuzz": 1_000_000, "dev": 300}
+#: cases by ``HYPOTHESIS_PROFILE``: per target for ``ci``, per property for the others
+PROFILES = {"ci": 10_000, "full": 10_000, "fuzz": 1_000_000, "dev": 300}
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 if PROFILE not in PROFILES:
     raise pytest.UsageError(f"HYPOTHESIS_PROFILE={PROFILE!r}: tests/test_fuzz.py knows "
                             f"{', '.join(PROFILES)}")
 EXAMPLES = PROFILES[PROFILE]
+#: the targets and how many properties each has here (checked by
+#: test_every_target_gets_its_cases): under ``ci`` a property gets its share of
+#: EXAMPLES, so that each target still gets EXAMPLES cases
+PROPERTIES = {"decoder": 3, "reader": 6, "connection": 2}
+_declared: dict[str, int] = dict.fromkeys(PROPERTIES, 0)
 #: per case: far above what any case takes (a few ms), far below a hang
 DEADLINE = timedelta(seconds=2)
 #: CPU seconds after which a case that still runs is a hang (hypothesis' deadline only
@@ -108,9 +115,17 @@ def no_hang(test: Callable[..., None]) -> Callable[..., None]:
     return guarded
 
 
-def fuzz() -> settings:
-    """One target's settings: the profile's case count, a deadline per case."""
-    return settings(max_examples=EXAMPLES, deadline=DEADLINE,
+def cases(target: str) -> int:
+    """How many cases one property of ``target`` runs under this profile."""
+    if PROFILE != "ci":
+        return EXAMPLES
+    return math.ceil(EXAMPLES / PROPERTIES[target])
+
+
+def fuzz(target: str) -> settings:
+    """The settings of one property of ``target``: its case count, a deadline per case."""
+    _declared[target] += 1
+    return settings(max_examples=cases(target), deadline=DEADLINE,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                     print_blob=True)
 
@@ -343,7 +358,7 @@ def round_trip_case(d: Draw) -> RoundTrip:
                      d.points())
 
 
-@fuzz()
+@fuzz("decoder")
 @given(bytes_for(512).map(round_trip_case))
 @example(RoundTrip((("x", {"f": math.nan, "e": msgpack.ExtType(0, b""), "b": b"",
                            "i": 2**64 - 1, "n": -(2**63)}),), ()))
@@ -376,7 +391,7 @@ def stream_case(d: Draw) -> Stream:
     return Stream(d.stream(), d.points(), d.pick(LIMITS))
 
 
-@fuzz()
+@fuzz("decoder")
 @given(bytes_for(1024).map(stream_case))
 @example(Stream(b"RT\x01\x00\x00\x00\x05\x92\xa1k\x81\xa1", (), wire.PREAUTH_FRAME_BYTES))
 @example(Stream(b"RT\x01\xff\xff\xff\xff", (3,), wire.UNPROVEN_HUB_FRAME_BYTES))
@@ -445,7 +460,7 @@ def nested_arrays(limit: int) -> bytes:
     return frame_of(head + level * ((limit - len(head)) // len(level)))
 
 
-@fuzz()
+@fuzz("decoder")
 @given(bytes_for(1024).map(lambda d: Stream(d.segment(), (), d.pick(LIMITS))))
 @example(Stream(b"RT\x01\x00\x00\x00\x03\x91\x91\x90", (), wire.PREAUTH_FRAME_BYTES))
 # found by this fuzzer (shrunk): 1.6 MB for 2.3 kB before collectors/wire.py checked
@@ -586,7 +601,7 @@ def check_span(path: Path) -> None:
     assert end is None or isinstance(end, float)
 
 
-@fuzz()
+@fuzz("reader")
 @given(bytes_for(1024).map(lambda d: HEADER_FRAME + d.stream()))
 @example(HEADER_FRAME + frame_of(b"\x92\xa5clock" + b"\xdc\x10\x00" * 3000))
 # found by this fuzzer: a header claiming a 16 MB body made read_frame's read(n)
@@ -618,7 +633,7 @@ class Cut:
     cut: int
 
 
-@fuzz()
+@fuzz("reader")
 @given(bytes_for(512).map(lambda d: Cut(
     tuple(recorded_frame(d) for _ in range(d.below(9))), d.uint(3))))
 @example(Cut(REAL_FRAMES[:3], 7))
@@ -672,7 +687,7 @@ def damaged(blob: bytes, edits: tuple[tuple[int, int, bytes], ...]) -> tuple[byt
     return bytes(out), first
 
 
-@fuzz()
+@fuzz("reader")
 @given(bytes_for(256).map(damage_case))
 @example(Damage(REAL_FRAMES[:2], ((0, 0, b"X"),)))
 @example(Damage(REAL_FRAMES[:2], ((0, 3, b"\x7f\xff\xff\xff"),)))
@@ -697,7 +712,7 @@ def test_a_corrupted_recording_reads_the_frames_before_the_damage(
     check_span(scratch)
 
 
-@fuzz()
+@fuzz("reader")
 @given(bytes_for(1024).map(lambda d: d.stream() if d.below(2) else d.take(d.left)))
 @example(b"")
 @example(b"RT\x01\x00\x00\x00\x02\x92\xa3run")
@@ -715,7 +730,7 @@ def test_any_file_is_read_or_refused_as_not_a_recording(scratch: Path, data: byt
     check_span(scratch)
 
 
-@fuzz()
+@fuzz("reader")
 @given(bytes_for(1024).map(lambda d: tuple(recorded_frame(d) for _ in range(d.below(13)))))
 @example(REAL_FRAMES)
 @no_hang
@@ -731,7 +746,7 @@ def test_a_recording_of_hostile_frames_replays_without_error(
     state.view()
 
 
-@fuzz()
+@fuzz("reader")
 @given(bytes_for(1024).map(lambda d: tuple(recorded_frame(d) for _ in range(d.below(13)))))
 @example((*REAL_FRAMES, frame_of(msgpack.packb(["clock", {"t_hub": math.inf}]))))
 @example((frame_of(msgpack.packb(["clock", {"t_hub": -1e308}])), *REAL_FRAMES))
@@ -842,7 +857,7 @@ def hub_bytes(d: Draw) -> bytes:
     return b"".join(hub_frame(d) for _ in range(d.below(7)))
 
 
-@fuzz()
+@fuzz("connection")
 @given(bytes_for(1024).map(hub_bytes))
 @example(wire.encode(wire.KIND_CHALLENGE, {"nonce": b"n" * 16, "proof": b"p" * 32}))
 @example(wire.encode(wire.KIND_WELCOME, {}) + wire.encode(wire.KIND_CONTROL, {}))
@@ -865,7 +880,7 @@ def test_a_hub_that_has_not_proved_itself_gets_nothing(fake_hub: FakeHub, data: 
         peer.close()
 
 
-@fuzz()
+@fuzz("connection")
 @given(bytes_for(1024).map(hub_bytes))
 @example(wire.encode(wire.KIND_PING, {"t_hub": math.nan, "seq": [{}]}))
 @example(wire.encode(wire.KIND_CONTROL, {"command": {"x": []}}))
@@ -884,3 +899,11 @@ def test_a_proven_hub_s_frames_are_handled_calmly(fake_hub: FakeHub, data: bytes
     finally:
         conn.close()
         peer.close()
+
+
+def test_every_target_gets_its_cases() -> None:
+    """Each target's properties are as many as PROPERTIES says, so that under ``ci``
+    their shares add up to at least 10,000 cases per target."""
+    assert _declared == PROPERTIES
+    if PROFILE == "ci":
+        assert all(cases(t) * n >= EXAMPLES for t, n in PROPERTIES.items())
