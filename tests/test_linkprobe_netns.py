@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +92,19 @@ def run_job(port: int, timeout: float = 180.0) -> tuple[list[str], dict[int, Any
              "--rank", str(rank), "--world", str(len(NS)), "--master", f"{IP[0]}:{port}"],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
+    deadline = time.monotonic() + timeout
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
+        for rank, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                # every rank's own words (a hung rank dumps its stacks: see rank_main)
+                for q in procs:
+                    if q.poll() is None:
+                        q.kill()
+                tails = [f"rank {r}: {q.communicate()[1][-3000:]}" for r, q in enumerate(procs)]
+                raise AssertionError(f"rank {rank} did not finish in {timeout:.0f} s:\n"
+                                     + "\n".join(tails)) from None
             assert p.returncode == 0, f"a rank failed ({p.returncode}): {err[-2000:]}"
             outs.append(json.loads(out.strip().splitlines()[-1]))
     finally:
@@ -151,8 +162,11 @@ def rank_main(argv: list[str]) -> None:
     """A rank of a small DDP job on gloo; at the boundary before step 3 (every rank's)
     it runs the link probe over the job's process group; prints its node list and its
     answer as one JSON line."""
+    import faulthandler
     from datetime import timedelta
 
+    # a rank that hangs says where, before the test gives up on it (run_job: 180 s)
+    faulthandler.dump_traceback_later(150, exit=True)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
