@@ -146,8 +146,9 @@ class Auto:
         self._thread: int | None = None  # the thread that trains
         self._fetch_thread: int | None = None  # the last to fetch with autograd on
         self._open: Any = None  # the step context entered and not yet exited
-        self._expect = 0  # the probe's step count after the last step ended here
-        self._entered = 0  # the probe's step-enter count once the open step was entered
+        # the probe's count of step enters after this instrumentation's last (or its
+        # start): any other means that the code times steps of its own
+        self._entered = 0
         self._takeover = False  # another thread called collectors.start(): stand aside
         self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._sharded: list[weakref.ref[Any]] = []  # FSDP modules not yet watched
@@ -272,9 +273,8 @@ class Auto:
 
     def _boundary(self, probe: Probe) -> None:
         """A step boundary: end the open step; watch models sharded since the last one."""
-        if probe.step_count != self._expect or self._takeover or (
-                self._open is not None and probe.activity.entered != self._entered):
-            # steps recorded, or a step entered inside the one open here, by someone else
+        if self._takeover or probe.activity.entered != self._entered:
+            # a step entered by someone else (inside the one open here, or between)
             self._stand_aside("the code records steps of its own (the contract API or a "
                               "callback)")
             return
@@ -293,8 +293,6 @@ class Auto:
         step, self._open = self._open, None
         if step is not None:
             step.__exit__(None, None, None)
-        if self.probe is not None:
-            self._expect = self.probe.step_count
 
     def _watch_sharded(self, probe: Probe) -> None:
         modules = [m for m in (r() for r in self._sharded) if m is not None]
@@ -332,7 +330,7 @@ class Auto:
                 return None
             self.probe = probe
             self._thread = threading.get_ident()
-            self._expect = probe.step_count
+            self._entered = probe.activity.entered
             self.loader_steps = self._fetch_thread == self._thread
             probe.notes.append(NOTE)
             return probe

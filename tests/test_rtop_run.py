@@ -61,6 +61,12 @@ def _steps(record: Path) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
+def _notes(record: Path) -> list[str]:
+    """Every note the ranks sent (their batches' meta), in a recording."""
+    return [note for _, frame in read(record) if frame.kind == wire.KIND_BATCH
+            for note in (frame.payload.get("meta") or {}).get("notes", [])]
+
+
 def _warnings(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith(WARNING)]
 
@@ -104,8 +110,7 @@ def test_the_rank_says_it_was_instrumented_by_rtop_run(plain):
     from collectors.autoinstrument import NOTE
 
     _, record = plain
-    notes = [note for _, frame in read(record) if frame.kind == wire.KIND_BATCH
-             for note in (frame.payload.get("meta") or {}).get("notes", [])]
+    notes = _notes(record)
     assert NOTE in notes
 
 
@@ -144,8 +149,7 @@ def test_steps_timed_by_the_code_from_a_late_start_are_recorded_once(tmp_path, v
     # code's later steps do not (its loop does not time the loader)
     assert all(r["data_wait_s"] is not None for r in steps[:5]), steps[:5]
     assert all(r["data_wait_s"] is None for r in steps[5:]), steps[5:]
-    notes = [note for _, frame in read(record) if frame.kind == wire.KIND_BATCH
-             for note in (frame.payload.get("meta") or {}).get("notes", [])]
+    notes = _notes(record)
     assert any("stands aside: the code records steps of its own" in n for n in notes), notes
 
 
