@@ -30,7 +30,7 @@ from typing import Any
 from rtop.hub.service import ThreadedHub
 from rtop.run.snapshot import FindingDict, Snapshot
 from rtop.tui.logs import logs_to_file
-from rtop.workload import Faults, WorkloadSpec
+from rtop.workload import Faults, WorkloadSpec, ray_train_loop
 
 #: Healthy steps before the fault starts on rank 1.
 FAULT_STEP = 40
@@ -85,45 +85,6 @@ STARTUP_TIMEOUT_S = 180.0
 #: Seconds the ranks get to leave their loop together after a stop was asked for,
 #: before Ray is shut down under them.
 STOP_GRACE_S = 8.0
-
-
-class _StoppableSpec:
-    """A :class:`WorkloadSpec` whose ``duration_s`` drops to 0 once ``stop_file`` exists.
-
-    The training loop checks ``duration_s`` every 20 steps with an allreduce, so every
-    rank leaves at the same step and closes its probe properly.
-    """
-
-    def __init__(self, spec: WorkloadSpec, stop_file: str) -> None:
-        self._spec = spec
-        self._stop_file = stop_file
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._spec, name)
-
-    @property
-    def duration_s(self) -> float | None:
-        """The spec's duration, or 0 once a stop was asked for."""
-        if os.path.exists(self._stop_file):
-            return 0.0
-        return self._spec.duration_s
-
-
-def demo_train_loop(config: dict[str, Any]) -> None:
-    """The per-worker function: :func:`rtop.workload.ray_train_loop`, stoppable early.
-
-    ``config``: ``spec`` (a :class:`WorkloadSpec` as JSON) and ``stop_file`` (its
-    appearance ends the run at the next 20-step boundary).
-    """
-    from rtop.workload import ray_worker_setup, train_loop
-
-    spec, probe, model, rank = ray_worker_setup(config)
-    stoppable: Any = _StoppableSpec(spec, config["stop_file"])
-    try:
-        train_loop(rank, stoppable, model, probe)
-    finally:
-        if probe is not None:
-            probe.close()
 
 
 _RAY_LOGGERS = ("ray", "ray.train", "ray.data", "ray.tune")
@@ -259,7 +220,8 @@ class DemoJob:
         demo = FAULTS[self.fault]
         return WorkloadSpec(world_size=self.workers, duration_s=self.duration_s,
                             hub=self.address, token=self.token, faults=demo.faults,
-                            probe_settings=dict(demo.probe_settings), **WORKLOAD)
+                            probe_settings=dict(demo.probe_settings),
+                            stop_file=self._stop_file, **WORKLOAD)
 
     def _fit(self) -> None:
         """Run the Ray Train job to its end (raises what ``fit()`` raises)."""
@@ -268,8 +230,8 @@ class DemoJob:
 
         assert self._tmp is not None
         trainer = TorchTrainer(
-            demo_train_loop,
-            train_loop_config={"spec": self._spec().to_json(), "stop_file": self._stop_file},
+            ray_train_loop,
+            train_loop_config={"spec": self._spec().to_json()},
             torch_config=TorchConfig(backend="gloo"),
             scaling_config=ScalingConfig(num_workers=self.workers, use_gpu=False),
             run_config=RunConfig(storage_path=str(Path(self._tmp, "ray")),

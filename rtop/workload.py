@@ -63,6 +63,9 @@ class WorkloadSpec:
     probe_settings: dict[str, Any] = field(default_factory=dict)
     #: where each rank writes ``fault-rank<r>`` (its wall time) when its fault starts
     fault_mark_dir: str | None = None
+    #: a file whose appearance ends the run, as ``duration_s`` does: every rank leaves
+    #: the loop at the same step (checked every 20 steps) and closes its probe
+    stop_file: str | None = None
 
     def to_json(self) -> str:
         """The spec as JSON (to hand to Ray Train's config)."""
@@ -201,13 +204,19 @@ def train_loop(rank: int, spec: WorkloadSpec, model: Any, probe: Any) -> list[fl
         now = time.perf_counter()
         times.append(now - prev)
         prev = now
-        if spec.duration_s is not None and (i + 1) % 20 == 0 and _all_agree_to_stop(
-            now - started >= spec.duration_s
-        ):
+        if (i + 1) % 20 == 0 and (spec.duration_s is not None or spec.stop_file) \
+                and _all_agree_to_stop(_time_to_stop(spec, now - started)):
             break
     if profiler is not None:
         profiler.__exit__(None, None, None)
     return times
+
+
+def _time_to_stop(spec: WorkloadSpec, elapsed_s: float) -> bool:
+    """This rank's vote: the duration is up, or the stop file appeared."""
+    if spec.duration_s is not None and elapsed_s >= spec.duration_s:
+        return True
+    return bool(spec.stop_file) and os.path.exists(str(spec.stop_file))
 
 
 def _all_agree_to_stop(mine: bool) -> bool:
@@ -344,9 +353,11 @@ def ray_worker_setup(config: dict[str, Any]) -> tuple[WorkloadSpec, Any, Any, in
 def ray_train_loop(config: dict[str, Any]) -> None:
     """The per-worker function for a Ray Train ``TorchTrainer`` (``config["spec"]``)."""
     spec, probe, model, rank = ray_worker_setup(config)
-    train_loop(rank, spec, model, probe)
-    if probe is not None:
-        probe.close()
+    try:
+        train_loop(rank, spec, model, probe)
+    finally:
+        if probe is not None:
+            probe.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,11 @@
-"""Shared fixtures: a real TCP listener for rank frames."""
+"""Shared fixtures: a real TCP listener for rank frames, and one local Ray cluster for
+the tests that run Ray in this process (they run last, together)."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,3 +51,40 @@ def _isolated_rtop_session(tmp_path_factory) -> Iterator[None]:
 def _isolated_rtop_env(tmp_path, monkeypatch):
     """No test starts a node-local hub by accident or writes outside its tmp dir."""
     _isolate(monkeypatch, tmp_path)
+
+
+#: The fixture of the shared Ray cluster (its tests are ordered last).
+RAY_FIXTURE = "ray_cluster"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """One local Ray cluster (4 CPUs) shared by every test that uses Ray in-process:
+    starting one costs 10-15 s here, so it is started once. Yields the environment its
+    tasks and actors get: the suite's isolation (no node hub, runs and runtime directory
+    under the session's tmp) and this checkout on ``PYTHONPATH``. A Ray Train job adds
+    its own with ``RunConfig(worker_runtime_env=...)``: Ray merges the two."""
+    ray = pytest.importorskip("ray")
+    root = tmp_path_factory.mktemp("ray-cluster")
+    (root / "xdg").mkdir(mode=0o700)
+    env = {"RTOP_AUTOHUB": "0", "RTOP_RUNS_DIR": str(root / "runs"),
+           "XDG_RUNTIME_DIR": str(root / "xdg"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        yield env
+    finally:
+        ray.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Ray tests run last, and those that share the in-process cluster after the others:
+    the cluster is started once, and no other test runs beside its idle daemons."""
+    def order(item: pytest.Item) -> int:
+        if RAY_FIXTURE in getattr(item, "fixturenames", ()):
+            return 2
+        return 1 if item.get_closest_marker("ray") else 0
+
+    items.sort(key=order)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,15 @@ CHECKPOINT_EVERY = 4
 FAIL_AFTER = 6
 BATCH = 8
 DIM = 8
+#: Each batch of the "train" dataset takes this long to make (a slow data pipeline).
+SLOW_S = 0.03
+
+
+def slow_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """The dataset's map step: a slow data pipeline (here, in this light module, so the
+    Ray Data tasks that run it need not import the test module)."""
+    time.sleep(SLOW_S)
+    return batch
 
 
 def train_loop(config: dict[str, Any]) -> None:

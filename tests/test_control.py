@@ -52,9 +52,12 @@ class Job:
                  failure_grace_s: float = 5.0) -> None:
         self.failure_grace_s = failure_grace_s
         self.hub = ThreadedHub(record=str(tmp / "run.rtop"), token=MASTER).start()
+        #: its appearance ends the job normally, before ``duration_s``
+        self.stop_file = tmp / "stop"
         self.spec = WorkloadSpec(world_size=2, duration_s=duration_s, hub=self.hub.address,
                                  token=auth.role_token(MASTER, "ingest"), dim=64, hidden=128,
-                                 faults=faults or Faults(all_loader_sleep_s=0.01))
+                                 faults=faults or Faults(all_loader_sleep_s=0.01),
+                                 stop_file=str(self.stop_file))
         self.stop = threading.Event()
         self.results: list[dict[str, Any]] | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -97,7 +100,7 @@ def control(job: Job) -> HubClient:
 
 @pytest.fixture
 def short_job(tmp_path: Path) -> Iterator[Job]:
-    j = Job(tmp_path, duration_s=45.0)
+    j = Job(tmp_path)
     try:
         assert wait_for(j.running, 90), "the job never reached the hub"
         yield j
@@ -153,11 +156,18 @@ def test_stacks_profile_and_probe_through_the_hub(short_job: Job, tmp_path: Path
     # the text forms read
     text = rtop("stacks", job.hub.address, token=ctl)
     assert text.returncode == 0 and "train_loop" in text.stdout
-    # the job went on and finishes normally
+    # the job went on, and finishes normally when told to (all ranks leave the loop
+    # together and close their probes)
     assert wait_for(lambda: min(job.steps()) > before + 20, 60)
-    job.thread.join(180)  # it ends on its own at duration_s
+    job.stop_file.touch()
+    job.thread.join(60)
     assert job.results is not None and all(r.get("times") for r in job.results), \
         "the job did not finish normally"
+    def finished() -> bool:
+        with HubClient(job.hub.address, MASTER) as c:
+            return bool(c.snapshot()["ranks"]["status"] == ["finished", "finished"])
+
+    assert wait_for(finished, 10), "the ranks did not say goodbye to the hub"
 
 
 @pytest.mark.parametrize("action", ["profile", "probe", "stacks"])

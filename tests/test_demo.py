@@ -62,12 +62,17 @@ def test_every_fault_is_on_rank_1_after_healthy_steps_and_survives_json(fault):
 
 
 def test_a_stop_file_ends_the_run_at_the_next_check(tmp_path):
-    spec = WorkloadSpec(duration_s=300.0)
+    """How the demo stops its job early (``WorkloadSpec.stop_file``): the ranks leave the
+    loop together at the next 20-step check once the file exists, and not before."""
+    from rtop.workload import build_model, train_loop
+
     stop = tmp_path / "stop"
-    stoppable = demo._StoppableSpec(spec, str(stop))
-    assert stoppable.duration_s == 300.0 and stoppable.batch == spec.batch
+    spec = WorkloadSpec(world_size=1, steps=50, dim=8, hidden=8, batch=4, stop_file=str(stop))
+    assert len(train_loop(0, spec, build_model(spec), None)) == 50
     stop.touch()
-    assert stoppable.duration_s == 0.0
+    timed = WorkloadSpec(world_size=1, duration_s=300.0, dim=8, hidden=8, batch=4,
+                         stop_file=str(stop))
+    assert len(train_loop(0, timed, build_model(timed), None)) == 20
 
 
 def test_logs_go_to_a_file_while_a_view_owns_the_terminal(tmp_path, capfd):

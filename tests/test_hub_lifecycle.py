@@ -239,7 +239,7 @@ def test_torchrun_style_job_finds_its_node_hub_without_settings(tmp_path, monkey
 
 
 @pytest.mark.ray
-def test_ray_train_job_discovers_the_actor_hub(tmp_path, monkeypatch):
+def test_ray_train_job_discovers_the_actor_hub(tmp_path, ray_cluster):
     ray = pytest.importorskip("ray")
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -247,19 +247,21 @@ def test_ray_train_job_discovers_the_actor_hub(tmp_path, monkeypatch):
     from rtop.discovery import from_ray
     from rtop.workload import ray_train_loop
 
-    monkeypatch.setenv("RTOP_AUTOHUB", "1")  # the default; the suite turns it off
-    ray.init(num_cpus=2, include_dashboard=False)  # note: no RTOP_HUB / RTOP_TOKEN anywhere
+    # no RTOP_HUB / RTOP_TOKEN anywhere; RTOP_AUTOHUB=1 is the default (the suite
+    # turns it off)
+    spec = WorkloadSpec(world_size=2, steps=20, dim=64, hidden=128)
+    TorchTrainer(ray_train_loop, train_loop_config={"spec": spec.to_json()},
+                 scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                 run_config=RunConfig(storage_path=str(tmp_path), name="disc",
+                                      worker_runtime_env={"env_vars": {"RTOP_AUTOHUB": "1"}})
+                 ).fit()
+    hubs = from_ray()
+    assert len(hubs) == 1 and hubs[0].source == "ray"
+    actor = ray.get_actor(f"rtop-hub-{hubs[0].job}", namespace="rtop")
     try:
-        spec = WorkloadSpec(world_size=2, steps=20, dim=64, hidden=128)
-        TorchTrainer(ray_train_loop, train_loop_config={"spec": spec.to_json()},
-                     scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                     run_config=RunConfig(storage_path=str(tmp_path), name="disc")).fit()
-        hubs = from_ray()
-        assert len(hubs) == 1 and hubs[0].source == "ray"
         with HubClient(hubs[0].address, hubs[0].token) as c:
             snap = c.snapshot()
         assert snap["ranks"]["rank"] == [0, 1] and snap["ranks"]["step"] == [19, 19]
-        actor = ray.get_actor(f"rtop-hub-{hubs[0].job}", namespace="rtop")
         # a viewer's token cannot stop the hub: that needs its master or control token,
         # which never leave the actor (zero configuration: it ends on its own)
         with pytest.raises(ray.exceptions.RayTaskError, match="master or control token"):
@@ -271,7 +273,7 @@ def test_ray_train_job_discovers_the_actor_hub(tmp_path, monkeypatch):
                 and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
-        ray.shutdown()
+        ray.kill(actor)  # the cluster is shared: the next test must not find this hub
     out = subprocess.run([*RTOP, "report", record, "--json"], capture_output=True, text=True,
                          check=True).stdout
     report = json.loads(out)

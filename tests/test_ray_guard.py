@@ -238,20 +238,12 @@ def test_a_fault_in_sending_that_error_leaves_ray_trains_handling_intact(listene
         probe.close()
 
 
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 def _slow(batch: dict[str, Any]) -> dict[str, Any]:
     time.sleep(0.02)
     return batch
 
 
-def test_ray_data_passes_are_cross_checked_outside_ray_train(listener, ray_local):
+def test_ray_data_passes_are_cross_checked_outside_ray_train(listener, ray_cluster):
     """Two epochs over a plain dataset's iterator (its stats object is shared by both
     passes): the totals are per pass, added up."""
     probe = collectors.start(hub=listener.address, token=listener.token)
@@ -286,7 +278,7 @@ def test_ray_data_passes_are_cross_checked_outside_ray_train(listener, ray_local
 
 
 def test_a_fault_in_the_ray_data_check_turns_it_off_and_batches_flow(
-        listener, ray_local, monkeypatch):
+        listener, ray_cluster, monkeypatch):
     class Broken:  # stands in for raytrain._Pass: catching a pass's stats fails
         def __init__(self, *args: Any) -> None:
             raise RuntimeError("injected fault")

@@ -25,15 +25,6 @@ from tests import ray_restart_worker as worker  # noqa: E402
 pytestmark = pytest.mark.ray
 
 TOKEN = "ray-restart-token"
-#: Each batch of the "train" dataset takes this long to make (a slow data pipeline).
-SLOW_S = 0.03
-
-
-def _slow(batch: dict[str, Any]) -> dict[str, Any]:
-    time.sleep(SLOW_S)
-    return batch
-
-
 class Job:
     """What the module's one job left behind: the hub (still up), its recording, the
     ranks' own results and what the trainer returned."""
@@ -55,7 +46,7 @@ class Job:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def job(tmp_path_factory: pytest.TempPathFactory, ray_cluster: dict[str, str]) -> Any:
     import numpy as np
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -64,31 +55,26 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Any:
     record, out = tmp / "run.rtop", tmp / "out"
     out.mkdir()
     hub = ThreadedHub(job="ray-restart", record=str(record), token=TOKEN).start()
-    repo = str(Path(__file__).resolve().parents[1])
     (tmp / "xdg").mkdir(mode=0o700)
-    env = {"RTOP_HUB": hub.address, "RTOP_TOKEN": TOKEN, "RTOP_AUTOHUB": "0",
-           "RTOP_RUNS_DIR": str(tmp / "runs"), "XDG_RUNTIME_DIR": str(tmp / "xdg"),
-           "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
-    try:
-        if ray.is_initialized():
-            ray.shutdown()
-        ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
-        rows = 2 * worker.STEPS * worker.BATCH
-        rng = np.random.default_rng(0)
-        dataset = ray.data.from_items(
-            [{"x": rng.random(worker.DIM).astype("float32"), "y": float(i % 5)}
-             for i in range(rows)]).map_batches(_slow, batch_size=worker.BATCH)
-        trainer = TorchTrainer(
-            worker.train_loop,
-            datasets={"train": dataset},
-            train_loop_config={"marker": str(tmp / "failed-once"), "out": str(out)},
-            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-            run_config=RunConfig(storage_path=str(tmp / "storage"), name="rtop-restart",
-                                 failure_config=FailureConfig(max_failures=1)),
-        )
-        result = trainer.fit()
-    finally:
-        ray.shutdown()
+    env = {"RTOP_HUB": hub.address, "RTOP_TOKEN": TOKEN, "RTOP_RUNS_DIR": str(tmp / "runs"),
+           "XDG_RUNTIME_DIR": str(tmp / "xdg")}
+    rows = 2 * worker.STEPS * worker.BATCH
+    rng = np.random.default_rng(0)
+    dataset = ray.data.from_items(
+        [{"x": rng.random(worker.DIM).astype("float32"), "y": float(i % 5)}
+         for i in range(rows)],
+        override_num_blocks=4,  # not a task per 2 rows: Ray Data's own cost is not tested
+    ).map_batches(worker.slow_batch, batch_size=worker.BATCH)
+    trainer = TorchTrainer(
+        worker.train_loop,
+        datasets={"train": dataset},
+        train_loop_config={"marker": str(tmp / "failed-once"), "out": str(out)},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+        run_config=RunConfig(storage_path=str(tmp / "storage"), name="rtop-restart",
+                             failure_config=FailureConfig(max_failures=1),
+                             worker_runtime_env={"env_vars": env}),
+    )
+    result = trainer.fit()
     assert (tmp / "failed-once").exists(), "rank 1 never failed: no restart was tested"
     # the ranks closed their probes: wait until the hub has heard both say goodbye
     deadline = time.monotonic() + 20
@@ -228,7 +214,7 @@ def test_ray_data_blocked_time_agrees_with_the_probes_data_wait(job: Job) -> Non
         assert figures["blocked_s"] > 0 and wait_s > 0, figures
         assert figures["passes"] == 1 and figures["batches"] == worker.STEPS, figures
         # the data is slow: the wait is real time, not noise
-        assert wait_s > 0.2 * worker.STEPS * SLOW_S, figures
+        assert wait_s > 0.2 * worker.STEPS * worker.SLOW_S, figures
         assert abs(ray_s - wait_s) <= max(0.1, 0.2 * max(ray_s, wait_s)), figures
         assert figures["agree"] is True
         # the probe's figure is its data wait: the steps' data_wait_s add up to it (the

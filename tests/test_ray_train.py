@@ -12,13 +12,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def test_hub_actor_is_made_through_the_seam(ray_cluster):
     """What a Ray Train rank does without RTOP_HUB: make its job's hub actor (the class
     that collectors names only at its seam, rtop.hub.ray_actor) and reach its hub."""
@@ -28,9 +21,6 @@ def test_hub_actor_is_made_through_the_seam(ray_cluster):
     from collectors.identity import Identity
     from tests.rankclient import RankClient
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {
-            "RTOP_RUNS_DIR": os.environ["RTOP_RUNS_DIR"]}})
     ident = Identity(rank=0, local_rank=0, world_size=2, hostname="node-a", ip="127.0.0.1",
                      pid=os.getpid(), job="seam-test", group="g0", source="ray")
     host, port, token = discovery.ray_hub(ident)
@@ -67,9 +57,6 @@ def test_hub_actor_never_hands_out_a_token_the_job_gave(ray_cluster):
     from collectors.identity import Identity
     from tests.rankclient import RankClient
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {
-            "RTOP_RUNS_DIR": os.environ["RTOP_RUNS_DIR"]}})
     ident = Identity(rank=0, local_rank=0, world_size=2, hostname="node-a", ip="127.0.0.1",
                      pid=os.getpid(), job="seam-given", group="g0", source="ray")
     host, port, token = discovery.ray_hub(ident, token="the-job-s-own-token")
