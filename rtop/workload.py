@@ -246,6 +246,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _forked_rank(rank: int, spec: WorkloadSpec, port: int, out_dir: str,
+                 env: dict[str, str]) -> None:
+    """One rank of :func:`run_local`, forked by its fork server, made to look like a
+    launcher's child: the run's environment (not the server's), the platform's start
+    method (for its data loader's workers), and at its end the interpreter's exit
+    handlers, which a forked child skips (it leaves with ``os._exit``) where a
+    launcher's rank runs them (rtop's goodbye and spool among them)."""
+    import atexit
+    import multiprocessing
+
+    os.environ.clear()
+    os.environ.update(env)
+    multiprocessing.set_start_method(None, force=True)
+    try:
+        _rank_main(rank, spec, port, out_dir)
+    finally:
+        atexit._run_exitfuncs()
+
+
 def _rank_main(rank: int, spec: WorkloadSpec, port: int, out_dir: str,
                master: str = "127.0.0.1", local_rank: int | None = None) -> None:
     import torch
@@ -274,6 +293,10 @@ def _rank_main(rank: int, spec: WorkloadSpec, port: int, out_dir: str,
     dist.destroy_process_group()
 
 
+#: What :func:`run_local`'s fork server imports before it forks any rank.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "rtop.workload")
+
+
 def run_local(spec: WorkloadSpec, timeout_s: float | None = None, check: bool = True,
               stop: threading.Event | None = None, failure_grace_s: float = 5.0
               ) -> list[dict[str, Any]]:
@@ -284,14 +307,18 @@ def run_local(spec: WorkloadSpec, timeout_s: float | None = None, check: bool = 
     ``check`` (the default) a failed rank or a job past ``timeout_s`` raises; without,
     ranks without results get ``{}``. ``stop`` kills the job early.
     """
+    import multiprocessing
     import multiprocessing.connection
 
     import torch.multiprocessing as mp
 
+    # A fork server that has imported torch once starts each rank in milliseconds, where
+    # spawning one costs a fresh interpreter and torch's import (2-3 s of CPU here).
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))
     with tempfile.TemporaryDirectory(prefix="rtop-job-") as out_dir:
         ctx = mp.start_processes(
-            _rank_main, args=(spec, free_port(), out_dir), nprocs=spec.world_size,
-            join=False, start_method="spawn",
+            _forked_rank, args=(spec, free_port(), out_dir, dict(os.environ)),
+            nprocs=spec.world_size, join=False, start_method="forkserver",
         )
         procs = ctx.processes
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

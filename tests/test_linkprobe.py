@@ -557,34 +557,3 @@ def test_format_text_draws_the_matrix_by_node_and_marks_slow_links():
     assert rows["0"] == ["·", "1", "1", "0.02!"], rows
     assert "node-[a]" in text and "n/a" not in "\n".join(lines[1:])
     assert "slow_link" in text and "rank 3: no answer" in text
-
-
-def timed_probe(world: int) -> dict[str, Any]:
-    # rtop probe's defaults: 16 MiB a transfer, 3 timed each way
-    spec = {"nodes": ["host"] * world, "nbytes": 16 << 20, "reps": 3, "timeout_s": 30.0,
-            "steps": 5, "probe_at": 2}
-    _, at_end, _procs = run_job(world, spec, timeout=240.0)
-    assert sorted(at_end) == list(range(world))
-    return at_end
-
-
-def test_an_8_rank_flat_probe_on_loopback_and_what_it_costs(capsys):
-    """The figures the README quotes: a flat probe of 8 ranks here (7 rounds), and from
-    its time per round, 64 ranks flat (63 rounds) and 1,024 by node (134 rounds)."""
-    at_end = timed_probe(8)
-    answers = {r: e["answers"][0] for r, e in at_end.items()}
-    assert all("error" not in a for a in answers.values()), answers
-    result = assemble(list(range(8)), ["host"] * 8, answers)
-    assert all(v is not None for i, row in enumerate(result["matrix_Bps"])
-               for j, v in enumerate(row) if i != j)
-    took = max(e["probe_s"] for e in at_end.values())
-    rounds = len(plan(["host"] * 8))
-    per_round = took / rounds
-    with capsys.disabled():
-        print(f"\nlink probe, 8 ranks on loopback (2 cores), 16 MiB x (2 warm-up + 3) each "
-              f"way: {took:.2f} s for {rounds} rounds, {per_round * 1e3:.0f} ms a round; "
-              f"64 ranks: ~{63 * per_round:.1f} s; 1,024 ranks (128 x 8): "
-              f"~{134 * per_round:.1f} s; median link "
-              f"{statistics.median(v for row in result['matrix_Bps'] for v in row if v) / 1e9:.2f}"
-              " GB/s")
-    assert took < 60
