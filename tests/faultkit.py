@@ -129,18 +129,6 @@ class BackgroundJob:
         assert self.results is not None
         return self.results
 
-    def pids(self) -> list[int]:
-        """The ranks' processes (children of this one running the workload)."""
-        out = []
-        for p in psutil.Process().children(recursive=True):
-            try:
-                cmd = " ".join(p.cmdline())
-            except psutil.Error:
-                continue
-            if "multiprocessing" in cmd and "spawn_main" in cmd:
-                out.append(p.pid)
-        return out
-
     def step_starts(self, rank: int) -> list[tuple[float, float]]:
         """``(wall time the step began, its duration)`` for each step of ``rank``."""
         assert self.results is not None and self.spec.fault_mark_dir
