@@ -6,9 +6,9 @@ meanwhile, written to ``docs/reliability.md``.
    dying rank), run with ``RTOP_RELIABILITY_LONG=1`` (longer faults) and
    ``RTOP_RELIABILITY_OUT`` (each test's :func:`tests.reliability.record` rows: the
    fault, the outcome, what was lost, its figures). A test that records nothing is
-   listed after the table, from its docstring and its result (a failed one gets a row).
+   listed after the table, by its name and its result (a failed one gets a row).
 2. **The bad-input suite** (``tests/test_security_*.py``, ``tests/test_fuzz.py``): one
-   row per test, the input it tries (from its docstring or name) and the result.
+   row per test, the input it tries (the test's name) and the result.
 3. **The overhead under faults**: the same real 2-rank gloo DDP job (``rtop.workload``'s
    MLP) run whole, again and again, in shuffled rounds: without rtop (twice: the second
    is an A/A control, the noise floor), with the hub up, with it unreachable, with it
@@ -24,7 +24,6 @@ meanwhile, written to ``docs/reliability.md``.
 from __future__ import annotations
 
 import argparse
-import ast
 import glob
 import json
 import os
@@ -109,39 +108,10 @@ def junit_cases(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def docstrings(file: str) -> dict[str, str]:
-    """The first sentence of each test function's docstring in ``file`` (and the
-    module's, under ``""``)."""
-    try:
-        tree = ast.parse((ROOT / file).read_text())
-    except (OSError, SyntaxError):
-        return {}
-    out = {"": _first_sentence(ast.get_docstring(tree) or "")}
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
-                and node.name.startswith("test"):
-            out[node.name] = _first_sentence(ast.get_docstring(node) or "")
-    return out
-
-
-def _first_sentence(text: str) -> str:
-    flat = " ".join(text.split())
-    if ". " in flat:
-        flat = flat[: flat.index(". ") + 1]
-    return flat if len(flat) <= 240 else flat[:237] + "..."
-
-
 def _humanize(name: str) -> str:
     base, _, param = name.partition("[")
     words = base.removeprefix("test_").replace("_", " ")
     return words + (f" [{param.rstrip(']')}]" if param else "")
-
-
-def _describe(case: dict[str, Any], docs: dict[str, dict[str, str]]) -> str:
-    base = case["name"].partition("[")[0]
-    doc = docs.get(case["file"], {}).get(base, "")
-    param = case["name"][len(base):]
-    return (doc + (f" {param}" if param else "")) if doc else _humanize(case["name"])
 
 
 # ---- 3: overhead ---------------------------------------------------------------------
@@ -437,19 +407,16 @@ def main() -> None:
             for line in rows_path.read_text().splitlines():
                 row = json.loads(line)
                 recorded.setdefault(row["test"], []).append(row)
-        docs = {f: docstrings(f) for f in {*fault_targets, *bad_targets}
-                if "::" not in f} | {t.split("::")[0]: docstrings(t.split("::")[0])
-                                     for t in fault_targets if "::" in t}
         for case in junit_cases(work / "faults.xml"):
             rows = recorded.get(case["id"]) or [{
-                "fault": _describe(case, docs), "outcome": None
+                "fault": _humanize(case["name"]), "outcome": None
                 if case["result"] == "passed" else case["message"],
                 "lost": "not measured", "figures": {}}]
             for row in rows:
                 faults.append({**row, "test": case["id"], "result": case["result"],
                                "seconds": case["seconds"]})
         for case in junit_cases(work / "bad.xml"):
-            bad.append({"input": _describe(case, docs), **case})
+            bad.append({"input": _humanize(case["name"]), **case})
     over = None if args.no_overhead else overhead(args.rounds, args.job_s)
     write_doc(Path(args.out), command, started, time.monotonic() - t0, faults, bad,
               suite_rc, over, missing)
