@@ -163,6 +163,7 @@ def test_stacks_profile_and_probe_through_the_hub(short_job: Job, tmp_path: Path
     job.thread.join(60)
     assert job.results is not None and all(r.get("times") for r in job.results), \
         "the job did not finish normally"
+
     def finished() -> bool:
         with HubClient(job.hub.address, MASTER) as c:
             return bool(c.snapshot()["ranks"]["status"] == ["finished", "finished"])

@@ -25,6 +25,8 @@ from tests import ray_restart_worker as worker  # noqa: E402
 pytestmark = pytest.mark.ray
 
 TOKEN = "ray-restart-token"
+
+
 class Job:
     """What the module's one job left behind: the hub (still up), its recording, the
     ranks' own results and what the trainer returned."""
@@ -74,7 +76,11 @@ def job(tmp_path_factory: pytest.TempPathFactory, ray_cluster: dict[str, str]) -
                              failure_config=FailureConfig(max_failures=1),
                              worker_runtime_env={"env_vars": env}),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except BaseException:
+        hub.stop()
+        raise
     assert (tmp / "failed-once").exists(), "rank 1 never failed: no restart was tested"
     # the ranks closed their probes: wait until the hub has heard both say goodbye
     deadline = time.monotonic() + 20
