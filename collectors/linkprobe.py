@@ -143,6 +143,29 @@ def plan(nodes: Sequence[str], flat_limit: int = FLAT_LIMIT) -> Rounds:
     return inter + intra
 
 
+def schedule(pairs: Sequence[Pair]) -> Rounds:
+    """Rounds for a given list of pairs (the links a probe re-measures): each pair in
+    the first round where neither of its ranks is busy yet, so each rank is in one
+    transfer a round and, as in :func:`plan`, nothing deadlocks. Pairs are kept in the
+    order given within the ranks' turns; duplicates and self-pairs are dropped."""
+    out: Rounds = []
+    busy: list[set[int]] = []
+    seen: set[Pair] = set()
+    for a, b in pairs:
+        pair = _pair(a, b)
+        if a == b or pair in seen:
+            continue
+        seen.add(pair)
+        k = next((k for k, used in enumerate(busy) if a not in used and b not in used),
+                 len(busy))
+        if k == len(busy):
+            out.append([])
+            busy.append(set())
+        out[k].append(pair)
+        busy[k].update(pair)
+    return [sorted(rnd) for rnd in out]
+
+
 def _pair(a: int, b: int) -> Pair:
     return (a, b) if a < b else (b, a)
 

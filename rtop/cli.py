@@ -541,6 +541,12 @@ def cmd_action(args: argparse.Namespace) -> int:
         if args.json:
             return
         where = f" from step {p['at_step']}" if p.get("at_step") is not None else ""
+        if p.get("recheck"):
+            n = p.get("links")
+            print(f"rtop {action}: re-measuring the {n} slow link{'s' if n != 1 else ''} on "
+                  f"ranks {fmt_ranks(p.get('ranks') or [])}{where}, up to "
+                  f"{p.get('timeout_s')} s ...", file=sys.stderr, flush=True)
+            return
         print(f"rtop {action}: ranks {fmt_ranks(p.get('ranks') or [])}{where}, up to "
               f"{p.get('timeout_s')} s ...", file=sys.stderr, flush=True)
 

@@ -18,11 +18,18 @@ from typing import Any
 import pytest
 
 from collectors import wire
-from collectors.linkprobe import LinkProbe, circle, plan
+from collectors.linkprobe import LinkProbe, circle, plan, schedule
 from rtop.actions.probe import format_text
 from rtop.analysis import AnalysisConfig, Monitor
 from rtop.analysis import detectors as d
-from rtop.analysis.links import assemble, judge, others_median, slow_links, verdict
+from rtop.analysis.links import (
+    assemble,
+    judge,
+    merge_answers,
+    others_median,
+    slow_links,
+    verdict,
+)
 from rtop.analysis.window import take
 from rtop.run import snapshot as shape
 from rtop.run.recording import read
@@ -53,6 +60,36 @@ def test_a_flat_plan_measures_every_pair_once(n):
     # a round of an even count keeps every rank busy
     if n % 2 == 0:
         assert all(len(r) == n // 2 for r in rounds)
+
+
+def test_a_schedule_of_given_pairs_puts_each_rank_in_one_transfer_a_round():
+    """The re-measurement's rounds: every pair once (a repeat and a self-pair dropped),
+    each rank at most once a round, as few rounds as the busiest rank needs here."""
+    pairs = [(2, 0), (1, 2), (2, 3), (0, 1), (0, 2), (4, 4), (5, 6)]
+    rounds = schedule(pairs)
+    flat = [p for rnd in rounds for p in rnd]
+    assert sorted(flat) == [(0, 1), (0, 2), (1, 2), (2, 3), (5, 6)]
+    for rnd in rounds:
+        ranks = [r for p in rnd for r in p]
+        assert len(ranks) == len(set(ranks)), rnd
+    assert len(rounds) == 3  # rank 2 is in three pairs
+    assert rounds[0] == [(0, 2), (5, 6)]  # first come, first placed
+    assert schedule([]) == []
+
+
+def test_merged_answers_keep_the_faster_figure_of_each_direction():
+    first = {0: {"rank": 0, "links": [[1, 2e8], [2, 5e8]], "seconds": 1.0, "nbytes": 64},
+             1: {"rank": 1, "links": [[0, 4e8]], "seconds": 1.5, "nbytes": 64},
+             2: {"rank": 2, "error": "a transfer failed"}}
+    again = {0: {"rank": 0, "links": [[1, 4.5e8]], "seconds": 0.5, "nbytes": 64},
+             1: {"rank": 1, "error": "timed out"},
+             2: {"rank": 2, "links": [[0, 9e8]], "seconds": 0.5}}
+    got = merge_answers(first, again)
+    assert sorted(got[0]["links"]) == [[1, 4.5e8], [2, 5e8]] and got[0]["seconds"] == 1.5
+    assert got[1] == first[1]  # an error the second time leaves the first answer
+    assert got[2] == first[2]  # an error the first time stays one
+    result = assemble([0, 1, 2], ["a", "b", "c"], got)
+    assert result["matrix_Bps"][0][1] == 4e8  # then the slower direction, as always
 
 
 def test_1024_ranks_on_128_nodes_take_134_rounds_one_representative_a_node():

@@ -2,8 +2,9 @@
 
 The result is what ``rtop probe --json`` prints (``rtop.analysis.links.assemble`` plus
 the findings): ``{"ranks", "nodes", "matrix_Bps", "findings", "seconds", "nbytes",
-"errors"}``. :func:`format_text` draws the matrix in GB/s grouped by node (``n/a``: not
-measured, ``!``: a slow link named by the finding), then the findings. Beyond
+"errors"}``, and ``"recheck"`` when links first found slow were measured again.
+:func:`format_text` draws the matrix in GB/s grouped by node (``n/a``: not measured,
+``!``: a slow link named by the finding), then the findings. Beyond
 :data:`MAX_TABLE_RANKS` ranks the matrix is too wide for a terminal and the slowest
 links are listed instead. Names come from the ranks: they are printed made safe
 (:func:`rtop.fmt.safe_text`).
@@ -61,10 +62,28 @@ def format_text(result: Mapping[str, Any]) -> str:
     else:
         lines.append("No slow link: every link runs at least half the median of the "
                      "others of its kind." if measured else "No link was measured.")
+    lines += _recheck_lines(result.get("recheck"))
     for e in result.get("errors") or []:
         if isinstance(e, Mapping):
             lines.append(f"rank {e.get('rank')}: {safe_text(str(e.get('error')), 300)}")
     return "\n".join(lines)
+
+
+def _recheck_lines(recheck: object) -> list[str]:
+    """What the re-measurement of the links first found slow made of them."""
+    if not isinstance(recheck, Mapping):
+        return []
+    links = recheck.get("links")
+    n = len(links) if isinstance(links, list) else 0
+    what = f"{n} link{'s' if n != 1 else ''} first measured slow"
+    if recheck.get("error"):
+        return [f"{what}, not re-measured: {safe_text(str(recheck['error']), 300)}"]
+    confirmed = recheck.get("confirmed")
+    if not isinstance(confirmed, int):
+        return []
+    return [f"{what}, re-measured ({fmt_num(recheck.get('seconds'), '.2f')} s): "
+            f"{confirmed} still slow, {n - confirmed} healthy the second time (each "
+            "direction's figure is the faster of the two measurements)."]
 
 
 def _slow_pairs(findings: Sequence[Mapping[str, Any]]) -> set[tuple[int, int]]:

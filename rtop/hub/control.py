@@ -60,6 +60,11 @@ MAX_TIMEOUT_S = 3600.0
 MAX_PROFILE_STEPS = 1000
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 1024, 1 << 30
 DEFAULT_PROBE_BYTES = 16 << 20
+#: Timed transfers each way per link in a probe, and in its re-measurement of the links
+#: it found slow (few links: more transfers cost little and narrow the figure).
+PROBE_REPS, RECHECK_REPS = 3, 10
+#: Passes of re-measurement at most (see :meth:`Actions._recheck`).
+RECHECK_PASSES = 3
 DEFAULT_PROFILE_STEPS = 5
 
 
@@ -96,6 +101,14 @@ class Action:
     go_sent: bool = False
     cancelled: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: a probe's re-measurement of its slow links: the probe it re-measures
+    first: Action | None = None
+    #: the deadline is the requester's (else one the hub picked)
+    timeout_given: bool = False
+    #: a probe's answers merged with its re-measurements so far
+    measured: dict[int, dict[str, Any]] | None = None
+    #: a probe's re-measurement: ``{"links", "passes", "seconds", "error"}``
+    recheck: dict[str, Any] | None = None
 
     def pending(self) -> list[int]:
         """Targets that have neither answered nor failed."""
@@ -215,28 +228,101 @@ class Actions:
                               f"rank{'s' if len(missing) > 1 else ''} {_ranges(missing)} "
                               f"{'are' if len(missing) > 1 else 'is'} not")
         nodes = [self.hub.node_of(r) for r in ranks]
-        rounds = plan(nodes)
-        per_rank: dict[int, list[list[int]]] = {r: [] for r in ranks}
+        rounds = [[(ranks[a], ranks[b]) for a, b in rnd] for rnd in plan(nodes)]
+        return self._probe(aid, client_id, peer, targets, rounds, nbytes, PROBE_REPS,
+                           at_step, lead_s, float(timeout) if timeout else None,
+                           {"bytes": nbytes, "rounds": len(rounds), "nodes": nodes})
+
+    def _probe(self, aid: str, client_id: Any, peer: _Peer, targets: Mapping[int, _Peer],
+               rounds: list[list[tuple[int, int]]], nbytes: int, reps: int, at_step: int,
+               lead_s: float, timeout: float | None, info: dict[str, Any],
+               first: Action | None = None) -> Action:
+        """Arm a probe of ``rounds`` (pairs of ranks) on ``targets`` at ``at_step``: each
+        rank gets its own pairs, numbered by round."""
+        per_rank: dict[int, list[list[int]]] = {r: [] for r in targets}
         for i, pairs in enumerate(rounds):
-            for a, b in pairs:
-                ra, rb = ranks[a], ranks[b]
+            for ra, rb in pairs:
                 per_rank[ra].append([i, ra, rb])
                 per_rank[rb].append([i, ra, rb])
-        reps = 3
         per_transfer = 0.05 + nbytes / 50e6  # even at 50 MB/s
         transfer_timeout = max(10.0, 4 * per_transfer * reps)
         auto = 30.0 + lead_s + WAIT_FOR_GO_S + len(rounds) * reps * 2 * per_transfer * 4
-        act = Action(aid, client_id, name, peer, targets, now + float(timeout or auto),
+        act = Action(aid, client_id, "probe", peer, targets,
+                     time.monotonic() + (timeout or auto),
                      {"bytes": nbytes, "rounds": len(rounds), "reps": reps,
                       "timeout_s": transfer_timeout},
-                     at_step=at_step, sync=True,
-                     info={"bytes": nbytes, "rounds": len(rounds), "nodes": nodes})
+                     at_step=at_step, sync=True, info=info, first=first,
+                     timeout_given=timeout is not None)
         self.running[aid] = act
         for r, conn in targets.items():
             conn.send(wire.KIND_CONTROL, {"id": aid, "action": "probe", "at_step": at_step,
                                           "wait_s": WAIT_FOR_GO_S,
                                           "args": {**act.args, "pairs": per_rank[r]}})
         return act
+
+    def _recheck(self, act: Action) -> bool:
+        """After a probe that ran everywhere and found slow links, or after a pass of
+        their re-measurement, re-measure the slow links not measured twice yet (a short
+        probe of their ranks only, a few steps on; see "Measured twice" in
+        :mod:`rtop.analysis.links`). A link re-measured faster raises the reference of
+        the others, so another may turn slow: up to :data:`RECHECK_PASSES` passes. True
+        if a pass started: the requester hears when the last one ends. Within a
+        deadline the requester gave, only with time left for it."""
+        from collectors.linkprobe import schedule
+        from rtop.analysis.links import assemble, merge_answers, recheck_pairs
+
+        first = act.first or act
+        if act.first is None:
+            if act.cancelled or act.errors or act.pending():
+                return False
+            first.measured = dict(act.answers)
+            first.recheck = {"links": [], "passes": 0, "seconds": 0.0, "error": None}
+        rc = first.recheck
+        assert rc is not None and first.measured is not None
+        if act.first is not None:  # a pass ended
+            rc["passes"] += 1
+            rc["seconds"] = round(rc["seconds"] + time.monotonic() - act.started, 3)
+            rc["error"] = _failure(act)
+            if rc["error"] is not None:
+                return False
+            first.measured = merge_answers(first.measured, act.answers)
+        if first.requester.closing:
+            return False
+        result = assemble(sorted(first.targets), first.info["nodes"], first.measured)
+        done = {tuple(x) for x in rc["links"]}
+        pairs = [p for p in recheck_pairs(result, self.hub.analysis_config())
+                 if p not in done]
+        if not pairs or rc["passes"] >= RECHECK_PASSES:
+            return False
+        involved = sorted({r for pair in pairs for r in pair})
+        conns = self.hub.rank_connections()
+        lost = [r for r in involved if r not in conns]
+        if lost:
+            rc["error"] = f"rank{'s' if len(lost) > 1 else ''} {_ranges(lost)} left"
+            return False
+        targets = {r: conns[r] for r in involved}
+        step_s = self.hub.step_seconds(targets)
+        at_step = common_step([self.hub.last_step(r) for r in targets], step_s)
+        lead_s = (at_step - max(self.hub.last_step(r) for r in targets)) * (step_s or 0.0)
+        timeout = None
+        if first.timeout_given:
+            timeout = first.deadline - time.monotonic()
+            if timeout < lead_s + WAIT_FOR_GO_S:
+                rc["error"] = "no time was left within the deadline to re-measure"
+                rc["links"] += [list(p) for p in pairs]
+                return False
+        rc["links"] += [list(p) for p in pairs]
+        aid = f"a{next(self._ids)}-{os.getpid()}"
+        again = self._probe(aid, first.client_id, first.requester, targets, schedule(pairs),
+                            int(first.args["bytes"]), RECHECK_REPS, at_step, lead_s,
+                            timeout, {}, first=first)
+        first.requester.send(wire.KIND_RESULT, {
+            "id": first.client_id, "state": "started", "action": "probe", "recheck": True,
+            "ranks": involved, "at_step": at_step, "links": len(pairs),
+            "timeout_s": round(again.deadline - time.monotonic(), 1)})
+        log.info("rtop hub: probe: re-measuring %d slow link%s on ranks %s from step %d",
+                 len(pairs), "s" if len(pairs) > 1 else "", _ranges(involved), at_step)
+        return True
 
     # ---- answers from ranks --------------------------------------------------------
 
@@ -324,24 +410,43 @@ class Actions:
     def _finish(self, act: Action, timed_out: bool = False) -> None:
         if self.running.pop(act.id, None) is None:
             return
-        missing = act.pending()
-        answers = [act.answers[r] for r in sorted(act.answers)]
+        if act.action == "probe" and (act.go_sent or act.first is not None) \
+                and self._recheck(act):
+            return  # the requester hears when the re-measurement ends
+        first = act.first or act  # what the requester asked for
+        missing = first.pending()
+        answers = [first.answers[r] for r in sorted(first.answers)]
         out: dict[str, Any] = {
-            "id": act.client_id, "action": act.action, "state": "done",
-            "ranks": sorted(act.targets), "at_step": act.at_step,
+            "id": first.client_id, "action": first.action, "state": "done",
+            "ranks": sorted(first.targets), "at_step": first.at_step,
             "answers": answers,
-            "errors": [{"rank": r, "error": e} for r, e in sorted(act.errors.items())],
-            "missing": missing, "cancelled": act.cancelled,
-            "seconds": round(time.monotonic() - act.started, 3), **act.info,
+            "errors": [{"rank": r, "error": e} for r, e in sorted(first.errors.items())],
+            "missing": missing, "cancelled": first.cancelled,
+            "seconds": round(time.monotonic() - first.started, 3), **first.info,
         }
-        if act.action == "probe" and act.go_sent:
-            out["links"] = self.hub.probe_done(sorted(act.targets), act.info["nodes"],
-                                               act.answers)
+        if first.action == "probe" and first.go_sent:
+            out["links"] = self.hub.probe_done(
+                sorted(first.targets), first.info["nodes"],
+                first.measured if first.measured is not None else first.answers,
+                first.recheck if first.recheck and first.recheck["links"] else None)
         if missing:
             log.warning("rtop hub: %s: rank%s %s did not answer within the deadline",
                         act.action, "s" if len(missing) > 1 else "", _ranges(missing))
         if not act.requester.closing:
             act.requester.send(wire.KIND_RESULT, out)
+
+
+def _failure(act: Action) -> str | None:
+    """Why an action did not run everywhere (None: every target answered)."""
+    if act.cancelled:
+        return safe_text(act.cancelled)[:300]
+    if act.errors:
+        return "; ".join(f"rank {r}: {e}" for r, e in sorted(act.errors.items()))[:300]
+    if act.pending():
+        pending = act.pending()
+        return (f"rank{'s' if len(pending) > 1 else ''} {_ranges(pending)} did not answer "
+                "within the deadline")
+    return None
 
 
 def common_step(last_steps: list[int], step_s: float | None) -> int:

@@ -55,7 +55,7 @@ import socket
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -945,21 +945,35 @@ class Hub:
                                    self.cfg.job)
 
     def probe_done(self, ranks: list[int], nodes: list[str],
-                   answers: dict[int, dict[str, Any]]) -> dict[str, Any]:
+                   answers: Mapping[int, Mapping[str, Any]],
+                   recheck: dict[str, Any] | None = None) -> dict[str, Any]:
         """A finished probe's answers: the link matrix and its findings, kept in the
-        run's state (the fabric view, the slow_link detector) and recorded."""
-        from rtop.analysis.links import assemble, slow_links
+        run's state (the fabric view, the slow_link detector) and recorded. With
+        ``recheck`` (the probe's re-measurement of the links it first found slow:
+        ``{"links": [[rank, rank], ...], "error", ...}``), the answers are already
+        merged with it, and the result says how many of those links are still slow
+        (``recheck["confirmed"]``)."""
+        from rtop.analysis.links import assemble, recheck_pairs, slow_links
 
         result = assemble(ranks, nodes, answers)
-        analyzer = self.monitor.analyzer
-        result["findings"] = slow_links(result, analyzer.cfg if analyzer is not None
-                                        else AnalysisConfig())
+        cfg = self.analysis_config()
+        result["findings"] = slow_links(result, cfg)
+        if recheck is not None:
+            still = set(recheck_pairs(result, cfg, limit=len(ranks) ** 2))
+            recheck["confirmed"] = sum(1 for a, b in recheck.get("links") or ()
+                                       if (a, b) in still or (b, a) in still)
+            result["recheck"] = recheck
         now = time.time()
         self.state.set_links(result, now)
         if self.recorder is not None:
             self.recorder.frame(KIND_LINKS, result, now)
         self._snap_cache = None
         return result
+
+    def analysis_config(self) -> AnalysisConfig:
+        """The thresholds the diagnosis judges by (the defaults before it starts)."""
+        analyzer = self.monitor.analyzer
+        return analyzer.cfg if analyzer is not None else AnalysisConfig()
 
     def rank_detail(self, rank: int) -> RankDetail:
         """One rank's full window: step and sample histories, stack, events, meta."""

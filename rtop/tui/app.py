@@ -190,8 +190,17 @@ class RtopApp(App[int]):
         from rtop.client import HubError
 
         assert isinstance(self.source, LiveSource)
+
+        def started(p: dict[str, Any]) -> None:
+            if p.get("recheck"):
+                n = p.get("links")
+                self.call_from_thread(
+                    self.notify, f"probe: re-measuring the {n} slow link"
+                    f"{'s' if n != 1 else ''} before naming {'them' if n != 1 else 'it'} ...",
+                    timeout=4, markup=False)
+
         try:
-            out = self.source.act(action, ranks, args)
+            out = self.source.act(action, ranks, args, on_started=started)
         except (HubError, OSError) as exc:
             self.call_from_thread(self.notify, f"{action}: {exc}", severity="error",
                                   timeout=8, markup=False)

@@ -61,13 +61,16 @@ class LiveSource(Source):
         self.title = address
 
     def act(self, action: str, ranks: list[int] | None = None,
-            args: dict[str, Any] | None = None) -> dict[str, Any]:
+            args: dict[str, Any] | None = None,
+            on_started: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Ask the hub for an action (profile, probe, stacks) over a connection of its
-        own as a control peer, and wait for the result (raises ``HubError``)."""
+        own as a control peer, and wait for the result (raises ``HubError``);
+        ``on_started`` hears the hub's ``started`` answers (a probe's re-measurement of
+        its slow links is one)."""
         from rtop.client import HubClient
 
         with HubClient(self.address, self.token, timeout=10.0, role="control") as client:
-            return client.act(action, ranks=ranks, args=args)
+            return client.act(action, ranks=ranks, args=args, on_started=on_started)
 
     def run(self, post: Post, stop: threading.Event) -> None:
         """Poll the hub until ``stop``; say so when it is unreachable, and retry."""
