@@ -1,10 +1,12 @@
 """Fault suite: a viewer freezes.
 
-A real viewer process connects with the view token, subscribes at 10 Hz, asks for the
-ranks' full windows (as the TUI's detail pane does) and is then frozen (SIGSTOP): it
-reads nothing more. Checked: the hub holds at most its high-water mark for it (it skips
-the frozen viewer's snapshots and counts them), its memory stays bounded, the job's
-steps keep their pace, and another viewer keeps getting its 2 snapshots a second.
+A real viewer process connects with the view token, subscribes at 10 Hz and keeps
+asking for the ranks' full windows (as the TUI's detail pane does) without reading
+them; once the hub holds half its high-water mark for it (the kernel's socket buffers
+take the first megabytes), it is frozen (SIGSTOP). Checked: the hub holds at most its
+high-water mark for it (it skips the frozen viewer's snapshots and counts them), its
+memory stays bounded, the job's steps keep their pace, and another viewer keeps getting
+its 2 snapshots a second.
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ from rtop.client import HubClient, HubError
 c = HubClient(sys.argv[1], sys.argv[2])
 c._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
 c._send(wire.KIND_SUBSCRIBE, {"rate_hz": 10.0})
-for _ in range(40):  # the detail pane's requests, never read
+print("asking", flush=True)
+while True:  # the detail pane's requests, never read, until the test freezes it
     for rank in (0, 1):
         c._send(wire.KIND_REQUEST, {"what": "rank", "rank": rank})
-print("frozen", flush=True)
-time.sleep(3600)
+    time.sleep(0.02)
 """
 
 
@@ -87,7 +89,10 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
         viewer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(VIEWER),
                                    hub.address, view], env=env, stdout=subprocess.PIPE,
                                   text=True)
-        assert viewer.stdout is not None and viewer.stdout.readline().strip() == "frozen"
+        assert viewer.stdout is not None and viewer.stdout.readline().strip() == "asking"
+        # the viewer has fallen behind: the hub holds what the kernel could not take
+        assert wait_for(lambda: hub.call(_buffered) > HIGH_WATER / 2, 30), \
+            f"the viewer never fell behind: the hub holds {hub.call(_buffered)} bytes"
         viewer.send_signal(signal.SIGSTOP)
         froze, froze_mono = time.time(), time.monotonic()
         rss0 = rss_mb(os.getpid())  # the hub runs in this process (the job does not)
@@ -110,7 +115,7 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
     # the hub held at most its high-water mark (plus the frame that crossed it) ...
     detail = 2 * 1024 * 1024  # a rank's full window is well under this
     assert peak_buf <= HIGH_WATER + detail, peak_buf
-    assert peak_buf > HIGH_WATER / 2, "the viewer never fell behind: no freeze tested"
+    assert peak_buf > HIGH_WATER / 2, peak_buf  # and it stayed behind, frozen
     # ... by skipping the frozen viewer's snapshots, counted
     assert counters["snapshots_skipped"] > 0, counters
     assert peak_rss - rss0 < 64, (rss0, peak_rss)
@@ -123,7 +128,8 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
     assert during < 1.5 * before, (before, during)
     assert all(r["stats"]["dropped_unsent"] == 0 for r in results)
     reliability.record(
-        "a viewer freezes (SIGSTOP) after asking for 10 snapshots/s and 80 rank windows",
+        "a viewer freezes (SIGSTOP) after asking for 10 snapshots/s and rank windows it "
+        "never reads",
         "hub holds at most its high-water mark for it and skips its snapshots; the other "
         "viewer kept 2 Hz; the job kept its pace",
         0, frozen_s=frozen_s, hub_buffered_kB=round(peak_buf / 1024),

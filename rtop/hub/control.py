@@ -15,9 +15,12 @@ error for that rank only.
 * ``probe`` is armed the same way on every rank of the job, and synchronised: each rank
   says ``ready`` at ``at_step`` and waits; the hub says ``go`` once all are ready (within
   :data:`GO_WINDOW_S` of the first), else ``cancel`` (a rank ``late``, lost or silent),
-  so a probe runs on every rank or on none (see :mod:`collectors.control`). The answers
-  make the link matrix and its findings (:mod:`rtop.analysis.links`), which the hub
-  keeps in the run's state and records.
+  so a probe runs on every rank or on none (see :mod:`collectors.control`). The links it
+  finds slow are then measured again, by their ranks only, the same way (up to
+  :data:`RECHECK_PASSES` short probes; the peer gets another ``started`` with
+  ``"recheck": true``), and each keeps the faster of its figures. The answers make the
+  link matrix and its findings (:mod:`rtop.analysis.links`), which the hub keeps in the
+  run's state and records.
 
 At most one training-thread action (profile or probe) runs at a time.
 """
