@@ -268,7 +268,10 @@ class Actions:
         their re-measurement, re-measure the slow links not measured twice yet (a short
         probe of their ranks only, a few steps on; see "Measured twice" in
         :mod:`rtop.analysis.links`). A link re-measured faster raises the reference of
-        the others, so another may turn slow: up to :data:`RECHECK_PASSES` passes. True
+        the others, so another may turn slow: up to :data:`RECHECK_PASSES` passes, a
+        further one only if the last found a link healthy the second time (a slow node's
+        links beyond :data:`~rtop.analysis.links.MAX_RECHECK_LINKS`, all slow again,
+        are not worth another pass). True
         if a pass started: the requester hears when the last one ends. Within a
         deadline the requester gave, only with time left for it."""
         from collectors.linkprobe import schedule
@@ -292,9 +295,13 @@ class Actions:
         if first.requester.closing:
             return False
         result = assemble(sorted(first.targets), first.info["nodes"], first.measured)
+        cfg = self.hub.analysis_config()
+        if act.first is not None:
+            still = set(recheck_pairs(result, cfg, limit=len(first.targets) ** 2))
+            if all(tuple(p) in still for p in act.info["links"]):
+                return False  # every link re-measured is slow again: nothing moved
         done = {tuple(x) for x in rc["links"]}
-        pairs = [p for p in recheck_pairs(result, self.hub.analysis_config())
-                 if p not in done]
+        pairs = [p for p in recheck_pairs(result, cfg) if p not in done]
         if not pairs or rc["passes"] >= RECHECK_PASSES:
             return False
         involved = sorted({r for pair in pairs for r in pair})
@@ -318,7 +325,7 @@ class Actions:
         aid = f"a{next(self._ids)}-{os.getpid()}"
         again = self._probe(aid, first.client_id, first.requester, targets, schedule(pairs),
                             int(first.args["bytes"]), RECHECK_REPS, at_step, lead_s,
-                            timeout, {}, first=first)
+                            timeout, {"links": [list(p) for p in pairs]}, first=first)
         first.requester.send(wire.KIND_RESULT, {
             "id": first.client_id, "state": "started", "action": "probe", "recheck": True,
             "ranks": involved, "at_step": at_step, "links": len(pairs),
