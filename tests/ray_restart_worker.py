@@ -21,6 +21,11 @@ STEPS = 20
 CHECKPOINT_EVERY = 4
 #: The step after which rank 1 fails, in the first attempt only.
 FAIL_AFTER = 6
+#: How long rank 1 waits before it fails: rank 0 waits for it in its next allreduce
+#: meanwhile, and its sender (a flush every 0.5 s) sends the steps it made before Ray
+#: kills it with the group. (Without the wait, 6 fast steps and the kill could all fall
+#: within one flush interval: rank 0's steps were then lost with its process.)
+FAIL_DELAY_S = 1.0
 BATCH = 8
 DIM = 8
 #: Each batch of the "train" dataset takes this long to make (a slow data pipeline).
@@ -61,6 +66,7 @@ def train_loop(config: dict[str, Any]) -> None:
         step += 1
         if rank == 1 and step == FAIL_AFTER and not marker.exists():
             marker.write_text("rank 1 failed once\n")
+            time.sleep(FAIL_DELAY_S)
             raise RuntimeError("rank 1 fails in the first attempt")
         if step % CHECKPOINT_EVERY == 0:
             with tempfile.TemporaryDirectory() as d:

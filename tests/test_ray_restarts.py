@@ -182,9 +182,10 @@ def test_a_restart_is_a_new_attempt_and_the_first_keeps_its_history(job: Job) ->
         if rank == 1:  # it failed after FAIL_AFTER steps and said so, sending every one
             assert seen == worker.FAIL_AFTER, kept
         else:
-            # rank 0 ran as far (its next allreduce waits for rank 1), but Ray tears it
-            # down with a kill, which takes the records it had not sent yet (at most a
-            # flush interval's, 0.5 s) with it: seen once with 5 of its 6 steps
+            # rank 0 ran as far, and its next allreduce waits for rank 1, which waits
+            # FAIL_DELAY_S before it fails: rank 0's sender sends its steps meanwhile.
+            # Ray then tears it down with a kill, which takes any record not sent yet
+            # with it (a step that closed within the last flush interval, 0.5 s).
             assert 1 <= seen <= worker.FAIL_AFTER + 1, kept
         # its step history is kept: every step it ran, in the hub's window
         assert last == seen - 1 and history == list(range(seen)), kept
