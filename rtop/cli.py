@@ -541,13 +541,10 @@ def cmd_action(args: argparse.Namespace) -> int:
         if args.json:
             return
         where = f" from step {p['at_step']}" if p.get("at_step") is not None else ""
-        if p.get("recheck"):
-            n = p.get("links")
-            print(f"rtop {action}: re-measuring the {n} slow link{'s' if n != 1 else ''} on "
-                  f"ranks {fmt_ranks(p.get('ranks') or [])}{where}, up to "
-                  f"{p.get('timeout_s')} s ...", file=sys.stderr, flush=True)
-            return
-        print(f"rtop {action}: ranks {fmt_ranks(p.get('ranks') or [])}{where}, up to "
+        n = p.get("links")
+        what = f"re-measuring the {n} slow link{'s' if n != 1 else ''} on " \
+            if p.get("recheck") else ""
+        print(f"rtop {action}: {what}ranks {fmt_ranks(p.get('ranks') or [])}{where}, up to "
               f"{p.get('timeout_s')} s ...", file=sys.stderr, flush=True)
 
     try:
