@@ -130,7 +130,7 @@ def test_headless_demo_names_the_starved_rank_and_nothing_else(tmp_path):
 
     record = tmp_path / "demo.rtop"
     proc = subprocess.run(
-        [sys.executable, "-m", "rtop", "demo", "--headless", "--duration", "20",
+        [sys.executable, "-m", "rtop", "demo", "--headless", "--duration", "14",
          "--fault", "starved", "--workers", "2", "--record", str(record)],
         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

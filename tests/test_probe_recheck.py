@@ -171,6 +171,34 @@ def test_a_link_that_turns_slow_against_a_re_measured_one_is_measured_again(
     assert [s.get("recheck", False) for s in out["started"]] == [False, True, True]
 
 
+def test_a_later_pass_that_fails_keeps_what_the_earlier_one_measured(ranks: Ranks
+                                                                      ) -> None:
+    """As above, but rank 1 fails in the second pass: link 2-3 was measured twice
+    (healthy), link 1-2 only once: the text says which is which, not "not re-measured"
+    for both."""
+    t, out = ranks.ask()
+    first = {(0, 1): 5.5e8, (0, 2): 5.2e8, (0, 3): 5.6e8, (1, 2): 2.7e8, (1, 3): 3.65e8,
+             (2, 3): 2.0e8}
+    ranks.probe(first)
+    ranks.probe({(2, 3): 5.9e8})
+    _, third = ranks.probe({(1, 1): 0.0})  # rank 1 fails; rank 2 answers
+    assert third == [[0, 1, 2]]
+    links = finish(t, out)["links"]
+    rc = links["recheck"]
+    assert rc["links"] == [[2, 3], [1, 2]] and rc["unmeasured"] == [[1, 2]]
+    assert rc["passes"] == 2 and rc["confirmed"] == 0
+    assert "rank 1: a transfer failed" in rc["error"]
+    m = links["matrix_Bps"]
+    assert m[2][3] == 5.9e8 and m[1][2] == 2.7e8  # the second pass's figure, the first's
+    from rtop.actions.probe import format_text
+
+    text = format_text(links)
+    assert "2 links first measured slow, 1 re-measured (" in text, text
+    assert "0 still slow, 1 healthy the second time" in text, text
+    assert "; 1 not re-measured (their first figures stand): rank 1: a transfer failed" \
+        in text, text
+
+
 def test_a_link_slow_twice_is_named(ranks: Ranks) -> None:
     t, out = ranks.ask()
     ranks.probe({(1, 2): SLOW})

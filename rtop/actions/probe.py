@@ -73,17 +73,25 @@ def _recheck_lines(recheck: object) -> list[str]:
     """What the re-measurement of the links first found slow made of them."""
     if not isinstance(recheck, Mapping):
         return []
-    links = recheck.get("links")
+    links, unmeasured = recheck.get("links"), recheck.get("unmeasured")
     n = len(links) if isinstance(links, list) else 0
+    k = min(n, len(unmeasured)) if isinstance(unmeasured, list) else 0
+    error = recheck.get("error")
+    why = safe_text(str(error), 300) if error else "not measured"
     what = f"{n} link{'s' if n != 1 else ''} first measured slow"
-    if recheck.get("error"):
-        return [f"{what}, not re-measured: {safe_text(str(recheck['error']), 300)}"]
+    if error and (k == n or not isinstance(unmeasured, list)):  # nothing measured twice
+        return [f"{what}, not re-measured: {why}"]
     confirmed = recheck.get("confirmed")
     if not isinstance(confirmed, int):
         return []
-    return [f"{what}, re-measured ({fmt_num(recheck.get('seconds'), '.2f')} s): "
-            f"{confirmed} still slow, {n - confirmed} healthy the second time (each "
-            "direction's figure is the faster of the two measurements)."]
+    m = n - k
+    twice = f"re-measured ({fmt_num(recheck.get('seconds'), '.2f')} s)" if not k else \
+        f"{m} re-measured ({fmt_num(recheck.get('seconds'), '.2f')} s)"
+    line = (f"{what}, {twice}: {confirmed} still slow, {m - confirmed} healthy the second "
+            "time (each direction's figure is the faster of the two measurements)")
+    if k:
+        line += f"; {k} not re-measured (their first figures stand): {why}"
+    return [line + "."]
 
 
 def _slow_pairs(findings: Sequence[Mapping[str, Any]]) -> set[tuple[int, int]]:

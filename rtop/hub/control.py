@@ -282,14 +282,16 @@ class Actions:
             if act.cancelled or act.errors or act.pending():
                 return False
             first.measured = dict(act.answers)
-            first.recheck = {"links": [], "passes": 0, "seconds": 0.0, "error": None}
+            first.recheck = {"links": [], "unmeasured": [], "passes": 0, "seconds": 0.0,
+                             "error": None}
         rc = first.recheck
         assert rc is not None and first.measured is not None
         if act.first is not None:  # a pass ended
             rc["passes"] += 1
             rc["seconds"] = round(rc["seconds"] + time.monotonic() - act.started, 3)
             rc["error"] = _failure(act)
-            if rc["error"] is not None:
+            if rc["error"] is not None:  # its links keep their first figures
+                rc["unmeasured"] += act.info["links"]
                 return False
             first.measured = merge_answers(first.measured, act.answers)
         if first.requester.closing:
@@ -309,6 +311,8 @@ class Actions:
         lost = [r for r in involved if r not in conns]
         if lost:
             rc["error"] = f"rank{'s' if len(lost) > 1 else ''} {_ranges(lost)} left"
+            rc["links"] += [list(p) for p in pairs]
+            rc["unmeasured"] += [list(p) for p in pairs]
             return False
         targets = {r: conns[r] for r in involved}
         step_s = self.hub.step_seconds(targets)
@@ -320,6 +324,7 @@ class Actions:
             if timeout < lead_s + WAIT_FOR_GO_S:
                 rc["error"] = "no time was left within the deadline to re-measure"
                 rc["links"] += [list(p) for p in pairs]
+                rc["unmeasured"] += [list(p) for p in pairs]
                 return False
         rc["links"] += [list(p) for p in pairs]
         aid = f"a{next(self._ids)}-{os.getpid()}"

@@ -950,9 +950,9 @@ class Hub:
         """A finished probe's answers: the link matrix and its findings, kept in the
         run's state (the fabric view, the slow_link detector) and recorded. With
         ``recheck`` (the probe's re-measurement of the links it first found slow:
-        ``{"links": [[rank, rank], ...], "error", ...}``), the answers are already
-        merged with it, and the result says how many of those links are still slow
-        (``recheck["confirmed"]``)."""
+        ``{"links": [[rank, rank], ...], "unmeasured": [...], "error", ...}``), the
+        answers are already merged with it, and the result says how many of the links
+        measured twice are still slow (``recheck["confirmed"]``)."""
         from rtop.analysis.links import assemble, recheck_pairs, slow_links
 
         result = assemble(ranks, nodes, answers)
@@ -960,8 +960,10 @@ class Hub:
         result["findings"] = slow_links(result, cfg)
         if recheck is not None:
             still = set(recheck_pairs(result, cfg, limit=len(ranks) ** 2))
+            once = {(min(a, b), max(a, b)) for a, b in recheck.get("unmeasured") or ()}
             recheck["confirmed"] = sum(1 for a, b in recheck.get("links") or ()
-                                       if (a, b) in still or (b, a) in still)
+                                       if (min(a, b), max(a, b)) not in once
+                                       and ((a, b) in still or (b, a) in still))
             result["recheck"] = recheck
         now = time.time()
         self.state.set_links(result, now)
