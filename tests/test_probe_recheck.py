@@ -195,7 +195,7 @@ def test_a_later_pass_that_fails_keeps_what_the_earlier_one_measured(ranks: Rank
     text = format_text(links)
     assert "2 links first measured slow, 1 re-measured (" in text, text
     assert "0 still slow, 1 healthy the second time" in text, text
-    assert "; 1 not re-measured (their first figures stand): rank 1: a transfer failed" \
+    assert "; 1 not re-measured (its first figures stand): rank 1: a transfer failed" \
         in text, text
 
 

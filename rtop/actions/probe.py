@@ -90,7 +90,8 @@ def _recheck_lines(recheck: object) -> list[str]:
     line = (f"{what}, {twice}: {confirmed} still slow, {m - confirmed} healthy the second "
             "time (each direction's figure is the faster of the two measurements)")
     if k:
-        line += f"; {k} not re-measured (their first figures stand): {why}"
+        stand = "its first figures stand" if k == 1 else "their first figures stand"
+        line += f"; {k} not re-measured ({stand}): {why}"
     return [line + "."]
 
 
