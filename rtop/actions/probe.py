@@ -85,10 +85,10 @@ def _recheck_lines(recheck: object) -> list[str]:
     if not isinstance(confirmed, int):
         return []
     m = n - k
-    twice = f"re-measured ({fmt_num(recheck.get('seconds'), '.2f')} s)" if not k else \
-        f"{m} re-measured ({fmt_num(recheck.get('seconds'), '.2f')} s)"
-    line = (f"{what}, {twice}: {confirmed} still slow, {m - confirmed} healthy the second "
-            "time (each direction's figure is the faster of the two measurements)")
+    count = f"{m} " if k else ""
+    line = (f"{what}, {count}re-measured ({fmt_num(recheck.get('seconds'), '.2f')} s): "
+            f"{confirmed} still slow, {m - confirmed} healthy the second time (each "
+            "direction's figure is the faster of the two measurements)")
     if k:
         stand = "its first figures stand" if k == 1 else "their first figures stand"
         line += f"; {k} not re-measured ({stand}): {why}"
