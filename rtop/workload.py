@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,9 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Faults:
-    """Faults to inject, keyed by rank. All start at ``start_step``."""
+    """Faults to inject, keyed by rank. All start at ``start_step`` or, with
+    ``start_file`` set, at the first step from ``start_step`` on at which that file
+    exists (so a test can start them at a moment of its choosing, whatever the pace)."""
 
     loader_sleep_s: dict[int, float] = field(default_factory=dict)
     all_loader_sleep_s: float = 0.0
@@ -36,6 +38,7 @@ class Faults:
     checkpoint_every: int = 0
     checkpoint_s: float = 0.0
     start_step: int = 0
+    start_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,23 +86,43 @@ class WorkloadSpec:
 
 
 class SyntheticLoader:
-    """Pre-made batches served in a loop; optionally sleeping per batch like slow I/O."""
+    """Pre-made batches served in a loop; optionally sleeping per batch like slow I/O,
+    for the batches at which ``sleeping(index)`` is true (all of them by default)."""
 
     def __init__(self, batches: list[Any], n: int, sleep_s: float = 0.0,
-                 sleep_from: int = 0) -> None:
+                 sleeping: Callable[[int], bool] | None = None) -> None:
         self._batches = batches
         self._n = n
         self.sleep_s = sleep_s
-        self._sleep_from = sleep_from
+        self._sleeping = sleeping
 
     def __len__(self) -> int:
         return self._n
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(self._n):
-            if self.sleep_s and i >= self._sleep_from:
+            if self.sleep_s and (self._sleeping is None or self._sleeping(i)):
                 time.sleep(self.sleep_s)
             yield self._batches[i % len(self._batches)]
+
+
+class _FaultStart:
+    """Whether a rank's faults are on at a step: from ``start_step`` on, and once
+    ``start_file`` has appeared if it is set (checked each step until it has; then
+    latched, so the faults never switch off)."""
+
+    def __init__(self, faults: Faults) -> None:
+        self._from = faults.start_step
+        self._file = faults.start_file
+        self.began_at: int | None = None  # the step the faults began at
+
+    def __call__(self, step: int) -> bool:
+        if self.began_at is not None:
+            return step >= self.began_at
+        if step < self._from or (self._file and not os.path.exists(self._file)):
+            return False
+        self.began_at = step
+        return True
 
 
 
@@ -141,7 +164,8 @@ def train_loop(rank: int, spec: WorkloadSpec, model: Any, probe: Any) -> list[fl
     ]
     n = spec.steps if spec.duration_s is None else 10**9
     sleep = faults.loader_sleep_s.get(rank, 0.0) + faults.all_loader_sleep_s
-    loader: Any = SyntheticLoader(batches, n, sleep, faults.start_step)
+    fault_on = _FaultStart(faults)
+    loader: Any = SyntheticLoader(batches, n, sleep, fault_on)
     if spec.loader == "torch":
         dataset = torch.utils.data.TensorDataset(
             torch.randn(spec.steps * spec.batch, spec.dim, generator=gen),
@@ -178,8 +202,8 @@ def train_loop(rank: int, spec: WorkloadSpec, model: Any, probe: Any) -> list[fl
             x, y = batch
         if i >= n:
             break
-        faulty = i >= faults.start_step
-        if i == faults.start_step and spec.fault_mark_dir:
+        faulty = fault_on(i)
+        if faulty and i == fault_on.began_at and spec.fault_mark_dir:
             _write_mark(Path(spec.fault_mark_dir, f"fault-rank{rank}"), time.time())
         if faulty and faults.die_at_step.get(rank) == i:
             os._exit(17)

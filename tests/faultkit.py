@@ -79,8 +79,9 @@ def stop_serve(proc: subprocess.Popen[str]) -> str:
 class BackgroundJob:
     """A :func:`rtop.workload.run_local` job on a thread: ``results`` once it is done.
 
-    The spec should set ``fault_mark_dir`` (each rank writes its wall time at step 0)
-    for :meth:`step_starts` to place each step in time."""
+    The spec should set ``fault_mark_dir`` (each rank writes its wall time when its
+    faults begin: at step 0 unless the faults say otherwise) for :meth:`wait_started`,
+    and for :meth:`step_starts` to place each step in time (faults from step 0 only)."""
 
     def __init__(self, spec: WorkloadSpec, timeout_s: float = 240.0, check: bool = True
                  ) -> None:
@@ -109,11 +110,13 @@ class BackgroundJob:
         return max(float(m.read_text()) for m in marks)
 
     def wait_started(self, timeout: float = 120.0) -> float:
-        """Wait until every rank trains; the wall time they all had begun by."""
+        """Wait until every rank's faults have begun (with none, until every rank
+        trains); the wall time they all had begun by."""
         assert wait_for(lambda: self.started() is not None or not self.alive(), timeout), \
-            "the ranks never started training"
+            "the ranks' faults never began (or they never started training)"
         started = self.started()
-        assert started is not None, f"the job ended before training: {self.error!r}"
+        assert started is not None, \
+            f"the job ended before every rank's faults began: {self.error!r}"
         return started
 
     def alive(self) -> bool:

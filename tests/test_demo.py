@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -73,6 +75,36 @@ def test_a_stop_file_ends_the_run_at_the_next_check(tmp_path):
     timed = WorkloadSpec(world_size=1, duration_s=300.0, dim=8, hidden=8, batch=4,
                          stop_file=str(stop))
     assert len(train_loop(0, timed, build_model(timed), None)) == 20
+
+
+def test_a_start_file_starts_the_faults_when_it_appears(tmp_path):
+    """``Faults.start_file``: the faults begin at the first step at which the file exists
+    (from ``start_step`` on), whatever the pace of the steps; the rank marks that moment."""
+    from rtop.workload import Faults, build_model, train_loop
+
+    start, marks = tmp_path / "start", tmp_path / "marks"
+    marks.mkdir()
+    # no file: no fault and no mark, however long the run
+    quiet = WorkloadSpec(world_size=1, steps=30, dim=8, hidden=8, batch=4,
+                         faults=Faults(loader_sleep_s={0: 0.1}, start_file=str(start)),
+                         fault_mark_dir=str(marks))
+    times = train_loop(0, quiet, build_model(quiet), None)
+    assert len(times) == 30 and max(times) < 0.1, max(times)
+    assert not (marks / "fault-rank0").exists()
+    # the file appears during the run: every step from then on sleeps, none before
+    timer = threading.Timer(0.5, start.touch)
+    timer.start()
+    spec = WorkloadSpec(world_size=1, duration_s=2.0, dim=8, hidden=8, batch=4,
+                        faults=Faults(loader_sleep_s={0: 0.1}, start_file=str(start)),
+                        fault_mark_dir=str(marks))
+    began = time.time()
+    times = train_loop(0, spec, build_model(spec), None)
+    timer.join()
+    slow = [i for i, t in enumerate(times) if t >= 0.1]
+    assert slow and slow == list(range(slow[0], len(times))), slow
+    assert slow[0] > 10  # fast steps came first
+    mark = float((marks / "fault-rank0").read_text())
+    assert began + 0.4 < mark < began + 1.5, (mark - began)
 
 
 def test_logs_go_to_a_file_while_a_view_owns_the_terminal(tmp_path, capfd):

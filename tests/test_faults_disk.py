@@ -38,8 +38,6 @@ from tests import reliability
 from tests.faultkit import BackgroundJob, recorded, start_serve, stop_serve, twice, wait_for
 
 TOKEN = "disk-fault-token"
-#: rank 1 starts to starve at this step (several seconds in): after the disk broke
-STARVE_FROM = 2500
 
 
 @pytest.fixture
@@ -134,10 +132,12 @@ def _run_through_disk_fault(tmp_path: Path, record: Path, break_disk: Callable[[
     port = free_port()
     addr = f"127.0.0.1:{port}"
     hub = start_serve(port, TOKEN, record)
-    duration = 40.0 if reliability.long_run() else 18.0
-    spec = WorkloadSpec(world_size=2, duration_s=duration, dim=64, hidden=128,
-                        hub=addr, token=TOKEN,
-                        faults=Faults(loader_sleep_s={1: 0.03}, start_step=STARVE_FROM),
+    # rank 1 starves once the test says so (after the disk broke), and the job runs
+    # until the test has seen what it needs: neither depends on the pace of the steps
+    starve, stop = tmp_path / "starve", tmp_path / "stop"
+    spec = WorkloadSpec(world_size=2, duration_s=240.0, dim=64, hidden=128,
+                        hub=addr, token=TOKEN, stop_file=str(stop),
+                        faults=Faults(loader_sleep_s={1: 0.03}, start_file=str(starve)),
                         fault_mark_dir=str(tmp_path / "marks"))
     (tmp_path / "marks").mkdir()
     job = BackgroundJob(spec)
@@ -148,6 +148,9 @@ def _run_through_disk_fault(tmp_path: Path, record: Path, break_disk: Callable[[
             at_break = viewer.snapshot()
             assert not any(f["kind"] == "starved_rank" for f in at_break["findings"])
             step_at_break = min(at_break["ranks"]["step"])
+            # the live view runs on for a while with the disk broken, then rank 1 starves
+            time.sleep(20.0 if reliability.long_run() else 3.0)
+            starve.touch()
             fault = job.wait_started(120)
             assert fault > broke, f"the fault began before the disk was {what}"
             # the live view goes on: snapshots keep coming, steps keep moving ...
@@ -161,6 +164,7 @@ def _run_through_disk_fault(tmp_path: Path, record: Path, break_disk: Callable[[
                                            if f["kind"] == "starved_rank"), None)
                 if (starved and seen >= 6) or not job.alive() or seen > 240:
                     break
+        stop.touch()
         # ... and so does the diagnosis: a finding that began after the disk broke
         assert starved is not None and starved["ranks"] == [1], \
             [(f["kind"], f["ranks"]) for f in last.get("findings", [])]
@@ -170,6 +174,7 @@ def _run_through_disk_fault(tmp_path: Path, record: Path, break_disk: Callable[[
         with HubClient(addr, TOKEN) as viewer:
             final = viewer.snapshot()
     finally:
+        stop.touch()
         job.stop.set()
         log = stop_serve(hub)
     # the ranks lost nothing: the hub read everything, whatever its disk did
@@ -221,14 +226,10 @@ def test_read_only_remount_stops_the_recording_not_the_hub(
     record = mnt / "run.rtop"
 
     def remount_read_only(addr: str) -> float:
-        # the recording holds steps, and a few seconds pass (well before rank 1 starves)
+        # the recording holds steps, and a few seconds pass
         assert wait_for(lambda: record.exists() and any(recorded(record)[0].values()), 90,
                         every=0.2), "the recording never held a step"
-        began = time.monotonic()
-        with HubClient(addr, TOKEN) as viewer:
-            wait_for(lambda: time.monotonic() - began >= 3.0
-                     or min(viewer.snapshot()["ranks"]["step"]) >= STARVE_FROM // 2, 10,
-                     every=0.2)
+        time.sleep(3.0)
         Path(f"/sys/fs/ext4/{dev}/trigger_fs_error").write_text("rtop fault test\n")
         broke = time.time()
         assert wait_for(lambda: {"ro", "emergency_ro"} & set(_mount_options(mnt)), 10,
