@@ -5,8 +5,10 @@ asking for the ranks' full windows (as the TUI's detail pane does) without readi
 them; once the hub holds half its high-water mark for it (the kernel's socket buffers
 take the first megabytes), it is frozen (SIGSTOP). Checked: the hub holds at most its
 high-water mark for it (it skips the frozen viewer's snapshots and counts them), its
-memory stays bounded, the job's steps keep their pace, and another viewer keeps getting
-its 2 snapshots a second.
+memory stays bounded, the job's steps keep their pace (measured against the steps before
+the freeze and after the frozen viewer is gone: this shared machine's pace moves by tens
+of percent over seconds, so the frozen window is judged against both), and another
+viewer keeps getting its 2 snapshots a second.
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
                       viewer_high_water=HIGH_WATER).start()
     view = auth.role_token(MASTER, "view")
     frozen_s = 40.0 if reliability.long_run() else 12.0
-    spec = WorkloadSpec(world_size=2, duration_s=frozen_s + 12.0, dim=64, hidden=128,
+    after_s = 6.0  # the job's steps once the frozen viewer is gone, to compare with
+    stop_file = tmp_path / "stop"
+    spec = WorkloadSpec(world_size=2, duration_s=frozen_s + 120.0, dim=64, hidden=128,
                         hub=hub.address, token=auth.role_token(MASTER, "ingest"),
-                        fault_mark_dir=str(tmp_path))
+                        fault_mark_dir=str(tmp_path), stop_file=str(stop_file))
     job = BackgroundJob(spec)
     viewer = None
     counts: list[float] = []
@@ -104,10 +108,16 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
         thawed = time.time()
         counters = hub.call(lambda h: dict(h.counters))
         got = [t for t in counts if froze_mono + 1.0 <= t < froze_mono + frozen_s]
+        viewer.kill()  # the frozen viewer goes: its connection closes, the job runs on
+        viewer.wait(5)
+        gone = time.time()
+        time.sleep(after_s)
+        stop_file.touch()
         results = job.join(120)
     finally:
         stop.set()
-        if viewer is not None:
+        stop_file.touch()
+        if viewer is not None and viewer.poll() is None:
             viewer.kill()
             viewer.wait(5)
         job.stop.set()
@@ -122,10 +132,13 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
     # the other viewer kept its 2 Hz
     expected = 2.0 * (frozen_s - 1.0)
     assert len(got) >= 0.85 * expected, (len(got), expected)
-    # and the job kept its pace
+    # and the job kept its pace: the frozen window against the steps on either side
     before = median_between(job, started, froze)
     during = median_between(job, froze, thawed, skip=0)
-    assert during < 1.5 * before, (before, during)
+    after = median_between(job, gone + 1.0, gone + after_s, skip=0)
+    print(f"median step: {before * 1e3:.2f} ms before the freeze, {during * 1e3:.2f} ms "
+          f"frozen, {after * 1e3:.2f} ms after the viewer was gone")
+    assert during < 1.5 * max(before, after), (before, during, after)
     assert all(r["stats"]["dropped_unsent"] == 0 for r in results)
     reliability.record(
         "a viewer freezes (SIGSTOP) after asking for 10 snapshots/s and rank windows it "
@@ -136,4 +149,5 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
         high_water_kB=HIGH_WATER >> 10, hub_rss_growth_MB=round(peak_rss - rss0, 1),
         snapshots_skipped=counters["snapshots_skipped"],
         other_viewer_hz=round(len(got) / (frozen_s - 1.0), 2),
-        step_ratio=round(during / before, 3))
+        step_ratio_to_before=round(during / before, 3),
+        step_ratio_to_after=round(during / after, 3))
