@@ -125,12 +125,12 @@ class _FaultStart:
         return True
 
 
-
 def _write_mark(path: Path, stamp: float) -> None:
     """Write ``stamp`` to ``path`` atomically, so a reader never sees a half-written file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(repr(stamp))
     os.replace(tmp, path)
+
 
 def build_model(spec: WorkloadSpec) -> Any:
     """An MLP of ``layers`` hidden layers."""

@@ -150,6 +150,19 @@ def median_between(job: BackgroundJob, t0: float, t1: float, skip: int = 5) -> f
     return statistics.median(vals)
 
 
+def kept_pace(fault: str, before: float, during: float, after: float,
+              bound: float = 1.5) -> dict[str, float]:
+    """Assert that the job's median step during ``fault`` stayed under ``bound`` times
+    the slower of the medians before and after it, and return the figures for the
+    reliability table. Both sides, because this shared machine's pace moves by tens of
+    percent over seconds: one side alone would measure the machine, not the fault."""
+    print(f"median step: {before * 1e3:.2f} ms before, {during * 1e3:.2f} ms during "
+          f"{fault}, {after * 1e3:.2f} ms after")
+    assert during < bound * max(before, after), (fault, before, during, after)
+    return {"step_ratio_to_before": round(during / before, 3),
+            "step_ratio_to_after": round(during / after, 3)}
+
+
 def recorded(path: Path | str) -> tuple[dict[int, list[int]], dict[int, int], list[str]]:
     """What a recording holds: each rank's steps in order, each rank's records of
     every table, and the kinds of its frames in order."""

@@ -29,6 +29,7 @@ from tests.faultkit import (
     JobNetns,
     finish_ranks,
     header_text,
+    kept_pace,
     kill_ranks,
     recorded,
     twice,
@@ -113,17 +114,13 @@ def test_link_to_the_hub_cut_then_restored(job_netns, tmp_path: Path):
         hub.stop()
     # the hub saw them go and come back
     assert statuses["during"] == ["lost", "lost"], statuses
-    # the job kept its pace while its hub was out of reach: the cut against the steps
-    # on either side of it (this shared machine's pace moves by tens of percent over
-    # seconds: one side alone would measure the machine, not the cut)
+    # the job kept its pace while its hub was out of reach
     def median_in(t0: float, t1: float) -> float:
         return statistics.median([d for r in (0, 1) for d in steps_in(out, marks, r, t0, t1)])
 
     before, during = median_in(0, cut), median_in(cut, restored)
     after = median_in(back + 1.0, float("inf"))
-    print(f"median step: {before * 1e3:.2f} ms before the cut, {during * 1e3:.2f} ms cut, "
-          f"{after * 1e3:.2f} ms after")
-    assert during < 1.5 * max(before, after), (before, during, after)
+    pace = kept_pace("the cut", before, during, after)
     # drops: counted by the ranks, told to the hub, shown in the snapshot and header
     dropped = [r["stats"]["dropped_unsent"] + r["stats"]["dropped_buffer"] for r in results]
     assert all(d > 0 for d in dropped), [r["stats"] for r in results]
@@ -150,8 +147,7 @@ def test_link_to_the_hub_cut_then_restored(job_netns, tmp_path: Path):
         "drops counted and shown; nothing recorded twice",
         f"0 records not counted: {sum(dropped)} dropped by the ranks' bounded backlog "
         f"(16 frames here; {lost_steps} steps), every other record arrived",
-        step_ratio_to_before=round(during / before, 3),
-        step_ratio_to_after=round(during / after, 3), step_before_ms=round(before * 1e3, 2),
+        **pace, step_before_ms=round(before * 1e3, 2),
         step_during_ms=round(during * 1e3, 2), step_after_ms=round(after * 1e3, 2),
         back_after_restore_s=round(back - restored, 1),
         dropped=sum(dropped))

@@ -5,10 +5,9 @@ asking for the ranks' full windows (as the TUI's detail pane does) without readi
 them; once the hub holds half its high-water mark for it (the kernel's socket buffers
 take the first megabytes), it is frozen (SIGSTOP). Checked: the hub holds at most its
 high-water mark for it (it skips the frozen viewer's snapshots and counts them), its
-memory stays bounded, the job's steps keep their pace (measured against the steps before
-the freeze and after the frozen viewer is gone: this shared machine's pace moves by tens
-of percent over seconds, so the frozen window is judged against both), and another
-viewer keeps getting its 2 snapshots a second.
+memory stays bounded, the job's steps keep their pace (against the steps before the
+freeze and after the frozen viewer is gone), and another viewer keeps getting its 2
+snapshots a second.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from rtop.client import HubClient, HubError
 from rtop.hub.service import ThreadedHub
 from rtop.workload import WorkloadSpec
 from tests import reliability
-from tests.faultkit import ROOT, BackgroundJob, median_between, rss_mb, wait_for
+from tests.faultkit import ROOT, BackgroundJob, kept_pace, median_between, rss_mb, wait_for
 
 MASTER = "viewer-fault-master-token-0123456789"
 #: the hub's high-water mark per viewer in this test (the default is 8 MB: a frozen
@@ -132,13 +131,10 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
     # the other viewer kept its 2 Hz
     expected = 2.0 * (frozen_s - 1.0)
     assert len(got) >= 0.85 * expected, (len(got), expected)
-    # and the job kept its pace: the frozen window against the steps on either side
-    before = median_between(job, started, froze)
-    during = median_between(job, froze, thawed, skip=0)
-    after = median_between(job, gone + 1.0, gone + after_s, skip=0)
-    print(f"median step: {before * 1e3:.2f} ms before the freeze, {during * 1e3:.2f} ms "
-          f"frozen, {after * 1e3:.2f} ms after the viewer was gone")
-    assert during < 1.5 * max(before, after), (before, during, after)
+    # and the job kept its pace
+    pace = kept_pace("the freeze", median_between(job, started, froze),
+                     median_between(job, froze, thawed, skip=0),
+                     median_between(job, gone + 1.0, gone + after_s, skip=0))
     assert all(r["stats"]["dropped_unsent"] == 0 for r in results)
     reliability.record(
         "a viewer freezes (SIGSTOP) after asking for 10 snapshots/s and rank windows it "
@@ -149,5 +145,4 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
         high_water_kB=HIGH_WATER >> 10, hub_rss_growth_MB=round(peak_rss - rss0, 1),
         snapshots_skipped=counters["snapshots_skipped"],
         other_viewer_hz=round(len(got) / (frozen_s - 1.0), 2),
-        step_ratio_to_before=round(during / before, 3),
-        step_ratio_to_after=round(during / after, 3))
+        **pace)
