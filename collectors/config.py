@@ -12,6 +12,7 @@
 | ``RTOP_MEM_CAPACITY_BYTES`` | the memory capacity headroom is measured against | device's |
 | ``RTOP_SPOOL`` | ``0``: records still unsent at exit are dropped, not spooled | on |
 | ``RTOP_SPOOL_MAX_BYTES`` | the most a rank's spool file may hold (oldest left out) | 64 MiB |
+| ``RTOP_PROBE_MEMORY_SHARE`` | the most of its free memory a link probe may take on a rank | 0.25 |
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import os
 import stat
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from collectors.linkprobe import REFUSE_SHARE
 
 log = logging.getLogger("collectors")
 
@@ -93,6 +96,16 @@ def _float(name: str, default: float) -> float:
         return default
 
 
+def _share(name: str, default: float) -> float:
+    """A share in (0, 1] from the environment; anything else is logged and ignored."""
+    value = _float(name, default)
+    if 0 < value <= 1:
+        return value
+    log.warning("rtop: %s=%s ignored: a share is above 0 and at most 1", name,
+                os.environ.get(name))
+    return default
+
+
 def _int_or_none(name: str) -> int | None:
     try:
         return int(float(os.environ[name]))
@@ -148,6 +161,10 @@ class ProbeConfig:
     #: Where spools go: None for the runtime directory (the hubs of this node look
     #: there); another directory must be the user's own (made 0700).
     spool_dir: str | None = None
+    #: The share of the free memory where a link probe allocates (the GPU's, or the
+    #: host's for all the node's ranks) beyond which this rank refuses the probe
+    #: (``collectors.linkprobe.affordable``); between 0 (exclusive) and 1.
+    probe_memory_share: float = REFUSE_SHARE
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ProbeConfig:
@@ -163,6 +180,7 @@ class ProbeConfig:
             comm_timing=os.environ.get("RTOP_COMM_TIMING", cls.comm_timing).lower(),
             spool=os.environ.get("RTOP_SPOOL", "1").lower() not in ("0", "false", "no"),
             spool_max_bytes=_int_or_none("RTOP_SPOOL_MAX_BYTES") or cls.spool_max_bytes,
+            probe_memory_share=_share("RTOP_PROBE_MEMORY_SHARE", cls.probe_memory_share),
         )
         known = {f.name for f in fields(cls)}
         unknown = set(overrides) - known

@@ -17,7 +17,9 @@ boundary on every rank, or its transfers would wait for peers that are busy in t
 job's own collectives; so it is **synchronised**: at boundary ``at_step`` each rank says
 ``ready`` and waits (at most ``wait_s``) for the hub's ``go``, which the hub sends only
 once every rank is ready. A rank that is already past ``at_step`` says ``late``, and the
-hub cancels the probe everywhere: nobody runs it, nobody waits for long.
+hub cancels the probe everywhere: nobody runs it, nobody waits for long. A rank refuses
+(``error``, when it is armed) a probe whose buffers it cannot afford
+(:func:`collectors.linkprobe.affordable`), and the hub cancels that one everywhere too.
 
 Answers go back as ``result`` frames (``state``: ready, late, done, error), queued from
 any thread and written by the sender thread. Nothing here raises into the job: a
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import zlib
@@ -47,7 +50,15 @@ ACTIONS = ("stacks", "profile", "probe", "go", "cancel")
 #: The most a synchronised action waits at its step for the hub's go (seconds).
 WAIT_FOR_GO_S = 10.0
 #: Bounds on what a hub may ask (a hub that proved itself is trusted, not unbounded).
-MAX_PROFILE_STEPS = 1000
+#: Steps of a profile: a trace of a few steps is what is read (torch-tb-profiler and HTA
+#: look at 3 to 10), and every step's events cost the rank memory and the training
+#: thread time at the end (``collectors.profiler``, "Bounded"), which a capture also
+#: bounds by what it grows; 100 steps leave room for a slow or irregular step to be
+#: caught among many.
+MAX_PROFILE_STEPS = 100
+#: Bytes per transfer of a link probe: 1 GiB takes about 2 ms on a 450 GB/s NVLink, so
+#: no link needs more to show its bandwidth rather than its latency; what a rank can
+#: afford of it is checked against its free memory (``collectors.linkprobe.affordable``).
 MAX_PROBE_BYTES = 1 << 30
 MAX_ARMED = 4
 #: Characters of an error message sent back.
@@ -257,7 +268,7 @@ class Control:
 
     def _probe(self, action_id: str, args: dict[str, Any],
                on_done: Callable[[dict[str, Any]], None]) -> TrainingAction:
-        from collectors.linkprobe import LinkProbe
+        from collectors.linkprobe import LinkProbe, check_affordable
 
         nbytes, pairs = args.get("bytes"), args.get("pairs")
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) \
@@ -284,7 +295,31 @@ class Control:
             reps = 3
         if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 600:
             timeout_s = 30.0
+        if any(rounds):  # this rank allocates buffers: refused here if it cannot afford them
+            device, sharing = self._probe_device()
+            check_affordable(nbytes, device, sharing=sharing,
+                             share=self._p.config.probe_memory_share)
         # the same message tags on every rank (from the hub's action id), so nothing a
         # failed probe left behind can be taken for this one's
         return LinkProbe(rank, rounds, nbytes, on_done, reps=reps,
                          timeout_s=float(timeout_s), probe_id=zlib.crc32(action_id.encode()))
+
+    def _probe_device(self) -> tuple[Any, int]:
+        """The device a probe will allocate its buffers on (as
+        :meth:`collectors.linkprobe.LinkProbe._device` picks it on the training thread:
+        the training thread's CUDA device under NCCL, else the CPU), and how many ranks
+        allocate from that same memory at once (this node's ranks, ``LOCAL_WORLD_SIZE``,
+        for host memory; 1 for a GPU)."""
+        import torch
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() \
+            else ""
+        if "nccl" in backend.lower() and torch.cuda.is_available():
+            index = self._p.cuda_device  # the training thread's, once it said
+            if index is None and self._p.memory.device.startswith("cuda:"):
+                index = int(self._p.memory.device.split(":")[1])
+            return torch.device("cuda", index if index is not None
+                                else torch.cuda.current_device()), 1
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        return torch.device("cpu"), int(local) if local.isdigit() and int(local) > 0 else 1

@@ -13,7 +13,17 @@ In order:
    never slow a rank down) and the others wait for the file. The directory must be
    the user's own (0700, not a link) and the file 0600 and the user's: anything
    else is ignored with a warning, so another local user cannot plant a file that
-   sends the ranks to their hub.
+   sends the ranks to their hub. The hub's file holds its address and the *ingest*
+   token (all a rank needs); the master token, for viewers and actions, is in a
+   private file beside it (:func:`hub_key_path`), which ranks never read.
+
+**The runtime directory** is ``$XDG_RUNTIME_DIR/rtop`` when that base is the user's own,
+else ``/tmp/rtop-<uid>``. Anyone can create ``/tmp/rtop-<uid>`` first (a directory of
+theirs, or a link): then rtop says so, with the owner's uid, and goes to an
+unpredictable directory of its own (``mkdtemp``: ``/tmp/rtop-<uid>-XXXXXXXX``) whose
+path it keeps in a private pointer file under the user's home
+(``~/.cache/rtop/runtime-<host>``), so every process of the user on this node, ranks,
+hubs and viewers, finds the same one (:func:`runtime_dir`).
 
 This runs on the collector's sender thread, never on the training thread. It imports
 Ray only when the process already has it. The hub always runs in another process (the
@@ -31,13 +41,16 @@ import json
 import logging
 import os
 import re
+import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from collectors import auth
 from collectors.identity import Identity
 from collectors.wire import parse_address
 
@@ -89,12 +102,12 @@ def private_dir(path: Path) -> Path:
         what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
         raise PermissionError(
             f"{path} is {what}, not a private directory: rtop will not use it (someone "
-            f"may have planted it there; remove it, or set XDG_RUNTIME_DIR to a "
-            f"directory of your own)")
+            f"may be squatting it; remove it, or set XDG_RUNTIME_DIR to a directory of "
+            f"your own)")
     if st.st_uid != os.geteuid():
         raise PermissionError(
             f"{path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): rtop "
-            f"will not use it (someone may have planted it there; remove it, or set "
+            f"will not use it (someone may be squatting it; remove it, or set "
             f"XDG_RUNTIME_DIR to a directory of your own)")
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
@@ -112,13 +125,116 @@ def _own_base(base: str) -> bool:
 
 
 def runtime_dir() -> Path:
-    """The user's private directory for hub files: ``$XDG_RUNTIME_DIR/rtop`` (when that
-    base is the user's own), else ``/tmp/rtop-<uid>``; see :func:`private_dir`. Raises
-    :class:`PermissionError` if it is a symbolic link or someone else's."""
+    """The user's private directory for hub files and spools: ``$XDG_RUNTIME_DIR/rtop``
+    (when that base is the user's own), else ``/tmp/rtop-<uid>``; see
+    :func:`private_dir`. When ``/tmp/rtop-<uid>`` is squatted (someone else's, a
+    symbolic link, not a directory), one warning names it and its owner, and the
+    user's fallback directory is used instead (:func:`fallback_runtime_dir`). Raises
+    :class:`OSError` only when no private directory can be made at all."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     if base and _own_base(base):
         return private_dir(Path(base) / "rtop")
-    return private_dir(FALLBACK_BASE / f"rtop-{os.getuid()}")
+    path = FALLBACK_BASE / f"rtop-{os.getuid()}"
+    try:
+        return private_dir(path)
+    except PermissionError as exc:
+        if not os.path.lexists(path):  # /tmp itself refused us: nothing to fall back to
+            raise
+        why = str(exc)
+    return fallback_runtime_dir(path, why)
+
+
+#: Fallback runtime directories already found by this process, by squatted path.
+_fallbacks: dict[Path, Path] = {}
+
+
+def pointer_path() -> Path | None:
+    """Where the path of this user's fallback runtime directory on this node is kept:
+    ``$XDG_CACHE_HOME/rtop/runtime-<host>`` (``~/.cache`` by default); None when the
+    user has no home to keep it in."""
+    cache = os.environ.get("XDG_CACHE_HOME")
+    if cache and os.path.isabs(cache):
+        base = Path(cache)
+    else:
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):
+            return None
+        base = Path(home) / ".cache"
+    return base / "rtop" / f"runtime-{safe_name(socket.gethostname(), 'host')}"
+
+
+def _is_fallback(path: Path) -> bool:
+    """Whether ``path`` is a fallback runtime directory of ours: a real directory (not a
+    link) in :data:`FALLBACK_BASE`, named ``rtop-<uid>-...``, this user's, 0700."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (path.parent == FALLBACK_BASE and path.name.startswith(f"rtop-{os.getuid()}-")
+            and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            and stat.S_IMODE(st.st_mode) == 0o700)
+
+
+def fallback_runtime_dir(squatted: Path, why: str) -> Path:
+    """The runtime directory to use when ``squatted`` (``/tmp/rtop-<uid>``) cannot be:
+    an unpredictable directory of ours (``mkdtemp``), the same for every process of the
+    user on this node: its path is kept in the private file :func:`pointer_path`, read
+    and written under an exclusive lock, and a pointer that names anything but a
+    private directory of ours is replaced. Without a home to keep the pointer in, a
+    directory for this process only, with a warning that ranks, hubs and viewers will
+    not find each other. Warns once per process, saying why (``why``) and where rtop
+    goes instead."""
+    known = _fallbacks.get(squatted)
+    if known is not None and _is_fallback(known):
+        return known
+    pointer = pointer_path()
+    found: Path | None = None
+    shared = ""
+    if pointer is not None:
+        try:
+            found = _shared_fallback(pointer)
+            shared = (f"; its path is kept in {pointer} for your other processes on "
+                      f"this node")
+        except OSError as exc:
+            shared = (f"; it could not be shared through {pointer} ({exc}), so ranks, hubs "
+                      f"and viewers will not find each other: set XDG_RUNTIME_DIR to a "
+                      f"private directory of yours")
+    else:
+        shared = ("; with no home directory to share it through, ranks, hubs and viewers "
+                  "will not find each other: set XDG_RUNTIME_DIR to a private directory "
+                  "of yours")
+    if found is None:
+        found = Path(tempfile.mkdtemp(prefix=f"rtop-{os.getuid()}-", dir=FALLBACK_BASE))
+    _fallbacks[squatted] = found
+    _warn_once(f"squat:{squatted}", "rtop: %s; rtop uses %s instead%s", why, found, shared)
+    return found
+
+
+def _shared_fallback(pointer: Path) -> Path:
+    """The fallback directory named in ``pointer``, or a new one written there, under an
+    exclusive lock on the pointer file (so concurrent processes agree on one)."""
+    import fcntl
+
+    cache = pointer.parent.parent  # ~/.cache: made (0700) only in a home that exists
+    if not cache.exists() and cache.parent.is_dir():
+        with contextlib.suppress(FileExistsError):
+            cache.mkdir(mode=0o700)
+    if not _own_base(str(cache)):
+        raise PermissionError(f"{cache} is not a directory of yours that only you can "
+                              f"write to")
+    fd = open_private(private_dir(pointer.parent) / pointer.name, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        data = os.read(fd, 4096).decode("utf-8", "replace").strip()
+        if data and _is_fallback(Path(data)):
+            return Path(data)
+        made = Path(tempfile.mkdtemp(prefix=f"rtop-{os.getuid()}-", dir=FALLBACK_BASE))
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(made).encode() + b"\n")
+        return made
+    finally:
+        os.close(fd)  # and with it the lock
 
 
 def open_private(path: str | os.PathLike[str], flags: int) -> int:
@@ -238,6 +354,40 @@ def read_hub_file(path: Path) -> dict[str, Any] | None:
     return info
 
 
+def hub_key_path(hub_file: Path) -> Path:
+    """The private file beside a hub's discovery file that holds its master token:
+    ``hub-<job>.key`` for ``hub-<job>.json`` (not a ``hub-*.json`` name, so nothing that
+    lists hubs takes it for one). Written and removed with the hub file."""
+    return hub_file.with_name(f"{hub_file.stem}.key")
+
+
+def read_hub_key(hub_file: Path, pid: int) -> str | None:
+    """The master token a hub (process ``pid``) left beside its discovery file, for
+    viewers and actions; None if there is none (an older hub kept it in the hub file
+    itself), if it is not this user's private file, or if it is another hub's. Never
+    raises."""
+    data = read_private_file(hub_key_path(hub_file))
+    if data is None:
+        return None
+    try:
+        info = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(info, dict) or info.get("pid") != pid:
+        return None
+    token = info.get("token")
+    return token if isinstance(token, str) and token else None
+
+
+def rank_token(token: str | None) -> str | None:
+    """The token a rank uses from a hub file: the ingest token. A hub file of an older
+    hub holds the master token: the rank derives the ingest token from it and keeps
+    nothing more (a role token is used as it is)."""
+    if not token or auth.token_role(token) is not None:
+        return token
+    return auth.role_token(token, "ingest")
+
+
 # ---- the seam ---------------------------------------------------------------------
 # The only code in collectors that names the application (rtop). A rank never runs a
 # hub in its own process: it starts one beside it, this node's through the
@@ -298,7 +448,7 @@ def _local_hub(identity: Identity, spawn: bool) -> HubAddress | None:
     if info is None:
         return None
     host, port = parse_address(info["address"])
-    return host, port, info.get("token")
+    return host, port, rank_token(info.get("token"))
 
 
 def _spawn_local_hub(key: str, path: Path, rdir: Path) -> dict[str, Any] | None:

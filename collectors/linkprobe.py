@@ -60,6 +60,14 @@ memory the job reuses. On an error the rank answers ``{"rank", "error", "peer",
 collective, on the job's terms). The probe holds two buffers of ``nbytes`` (one sent,
 one received) while it runs.
 
+**What a rank can afford.** Those buffers (:func:`probe_footprint`) come out of the
+memory the job trains in: the GPU's for a CUDA probe, the host's for a CPU one (where
+every rank of the node allocates its own at once). A rank refuses a probe whose buffers
+would take more than :data:`REFUSE_SHARE` of the free memory where they go (all the
+node's ranks' together, for host memory), and logs one warning beyond
+:data:`WARN_SHARE`; :func:`affordable` says why, from figures alone, so the hub can
+apply the same rule to a rank's last reported free memory before it asks.
+
 On NCCL, the first transfer between two ranks may create a communicator for the pair
 (a few hundred ms and some GPU memory) unless the job's process group was initialised
 with a ``device_id``; the token exchange takes that cost, outside the timed transfers.
@@ -98,6 +106,14 @@ _SYNC, _GO, _DATA = 0, 1, 2
 #: Untimed transfers each way before the timed ones (a fresh TCP connection's window
 #: is still growing: the first megabytes are slower).
 WARMUP: Final = 2
+#: A rank refuses a probe whose buffers would take more than this share of the free
+#: memory where they go (see "What a rank can afford" in the module doc): a probe
+#: measures links, and must never be what pushes a job into swapping, the OOM killer or
+#: a CUDA out-of-memory error. A quarter leaves the job three quarters of what it had
+#: free for the few seconds the probe runs.
+REFUSE_SHARE: Final = 0.25
+#: ... and logs one warning beyond this share (the probe still runs).
+WARN_SHARE: Final = 0.10
 #: Transfers abandoned on an error, kept referenced with their buffers (see the doc).
 _ABANDONED: deque[Any] = deque(maxlen=64)
 _PROBES = count()  # this process's probes, in order: the default probe id
@@ -168,6 +184,93 @@ def schedule(pairs: Sequence[Pair]) -> Rounds:
 
 def _pair(a: int, b: int) -> Pair:
     return (a, b) if a < b else (b, a)
+
+
+def probe_footprint(nbytes: int) -> int:
+    """Bytes a probe of ``nbytes`` per transfer allocates on one rank while it runs:
+    the buffer it sends and the one it receives into, ``nbytes`` each, and two 1-byte
+    tokens (see :meth:`LinkProbe._run`), on the probe's device."""
+    return 2 * max(0, int(nbytes)) + 2
+
+
+def _size(n: float) -> str:
+    """Bytes for a person: ``1.0 GiB``, ``512.0 MiB``, ``800 B``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def affordable(nbytes: int, free_bytes: int | None, *, sharing: int = 1,
+               share: float = REFUSE_SHARE, where: str = "memory") -> str | None:
+    """Why a probe of ``nbytes`` per transfer must be refused on a rank whose memory
+    where the probe allocates (``where``: "host memory", "cuda:0") has ``free_bytes``
+    free, or None when it fits.
+
+    It fits when :func:`probe_footprint` times ``sharing`` (the ranks that allocate it
+    from that same memory at once: the node's ranks for host memory, 1 for a GPU of its
+    own) is at most ``share`` of ``free_bytes``. An unknown ``free_bytes`` (None)
+    fits: nothing was measured to refuse on. The reason names the bytes asked, what the
+    probe would allocate, what is free, and the most that would fit. Pure: no I/O.
+    """
+    if free_bytes is None:
+        return None
+    sharing = max(1, int(sharing))
+    total = probe_footprint(nbytes) * sharing
+    if total <= share * max(0, free_bytes):
+        return None
+    most = max(0, int((share * max(0, free_bytes) / sharing - 2) // 2))
+    ranks = "" if sharing == 1 else f" ({_size(total)} with the {sharing} ranks sharing it)"
+    return (f"a link probe of {nbytes} bytes per transfer would allocate "
+            f"{_size(probe_footprint(nbytes))} on this rank{ranks}, more than "
+            f"{share:.0%} of the {_size(free_bytes)} free in {where}: refused so that "
+            f"the job keeps its memory; ask for at most {most} bytes (--bytes)")
+
+
+def probe_memory(device: Any) -> tuple[str, int | None]:
+    """Where a probe on ``device`` (a ``torch.device``) allocates and how many bytes are
+    free there for it: for CUDA, the device's free memory (``torch.cuda.mem_get_info``)
+    plus what torch's caching allocator holds reserved but unused on it (the probe's
+    buffers are allocated from that first); for the CPU, the host's available memory
+    (``psutil``). ``(where, None)`` when it cannot be read. Never raises."""
+    try:
+        if getattr(device, "type", "cpu") == "cuda":
+            from collectors.cuda_events import cuda_module
+
+            cuda = cuda_module()
+            index = device.index if device.index is not None else cuda.current_device()
+            free, _total = cuda.mem_get_info(index)
+            cached = cuda.memory_reserved(index) - cuda.memory_allocated(index)
+            return f"cuda:{index}", int(free) + max(0, int(cached))
+        import psutil
+
+        return "host memory", int(psutil.virtual_memory().available)
+    except Exception as exc:
+        log.debug("rtop: the free memory for a link probe could not be read: %r", exc)
+        return ("cuda" if getattr(device, "type", "") == "cuda" else "host memory"), None
+
+
+_warned_share = False
+
+
+def check_affordable(nbytes: int, device: Any, *, sharing: int = 1,
+                     share: float = REFUSE_SHARE) -> None:
+    """Refuse a probe this rank cannot afford: raises :class:`ValueError` with
+    :func:`affordable`'s reason; logs one warning per process when it takes more than
+    :data:`WARN_SHARE` (but no more than ``share``) of what is free."""
+    global _warned_share
+    where, free = probe_memory(device)
+    why = affordable(nbytes, free, sharing=sharing, share=share, where=where)
+    if why is not None:
+        raise ValueError(why)
+    if free is not None and not _warned_share \
+            and probe_footprint(nbytes) * max(1, sharing) > WARN_SHARE * free:
+        _warned_share = True
+        log.warning("rtop: a link probe of %d bytes per transfer allocates %s on this "
+                    "rank (%d sharing %s), over %.0f%% of the %s free there; it runs, but "
+                    "a smaller --bytes measures the link as well", nbytes,
+                    _size(probe_footprint(nbytes)), max(1, sharing), where,
+                    WARN_SHARE * 100, _size(free))
 
 
 class ProbeError(Exception):

@@ -525,8 +525,10 @@ def cmd_action(args: argparse.Namespace) -> int:
     ranks = parse_ranks(args.ranks) if getattr(args, "ranks", None) else None
     body: dict[str, Any] = {}
     if action == "profile":
-        if not 1 <= args.steps <= 1000:
-            raise UsageError("--steps must be 1 to 1000")
+        from collectors.control import MAX_PROFILE_STEPS
+
+        if not 1 <= args.steps <= MAX_PROFILE_STEPS:
+            raise UsageError(f"--steps must be 1 to {MAX_PROFILE_STEPS}")
         body = {"steps": args.steps}
         if args.out:
             body["dir"] = str(Path(args.out).expanduser().resolve())

@@ -138,8 +138,15 @@ class DemoJob:
 
     @property
     def token(self) -> str:
-        """The hub's token."""
+        """The hub's (master) token, for the viewer the demo attaches."""
         return self._hub.token if self._hub else ""
+
+    @property
+    def rank_token(self) -> str:
+        """The hub's ingest token: all the demo's ranks are given (they send records)."""
+        from collectors import auth
+
+        return auth.role_token(self.token, "ingest") if self.token else ""
 
     @property
     def record_path(self) -> str | None:
@@ -211,7 +218,7 @@ class DemoJob:
                      log_to_driver=False, logging_level=logging.ERROR,
                      configure_logging=True,
                      runtime_env={"env_vars": {"RTOP_HUB": self.address,
-                                               "RTOP_TOKEN": self.token,
+                                               "RTOP_TOKEN": self.rank_token,
                                                "RTOP_AUTOHUB": "0"}})
         for name in _RAY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
@@ -219,7 +226,7 @@ class DemoJob:
     def _spec(self) -> WorkloadSpec:
         demo = FAULTS[self.fault]
         return WorkloadSpec(world_size=self.workers, duration_s=self.duration_s,
-                            hub=self.address, token=self.token, faults=demo.faults,
+                            hub=self.address, token=self.rank_token, faults=demo.faults,
                             probe_settings=dict(demo.probe_settings),
                             stop_file=self._stop_file, **WORKLOAD)
 

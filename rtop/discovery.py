@@ -5,7 +5,9 @@ Hub files (written by ``rtop.hub.service.write_hub_file``) live in the user's pr
 runtime directory (``collectors.discovery.
 runtime_dir``: 0700, the user's own, not a link) and are read only when they are
 0600 and the user's own, so another local user can neither read a token nor plant a
-file that points rtop at their hub.
+file that points rtop at their hub. A hub file holds the ranks' ingest token; a viewer
+takes the master token from the private key file beside it
+(``collectors.discovery.hub_key_path``), or, from an older hub, the hub file's own.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from collectors.discovery import RAY_NAMESPACE, read_hub_file, runtime_dir, safe_name
+from collectors.discovery import (
+    RAY_NAMESPACE,
+    read_hub_file,
+    read_hub_key,
+    runtime_dir,
+    safe_name,
+)
 
 log = logging.getLogger("rtop")
 
@@ -56,7 +64,10 @@ def from_files(directory: Path | None = None) -> list[FoundHub]:
     for path in sorted(rdir.glob("hub-*.json")):
         info = read_hub_file(path)
         if info is not None:
-            found.append(FoundHub(info["address"], info.get("token"), str(info.get("job", "")),
+            # the master token, from the private key file beside it (a hub file holds
+            # the ranks' ingest token; an older hub's held the master itself)
+            token = read_hub_key(path, info["pid"]) or info.get("token")
+            found.append(FoundHub(info["address"], token, str(info.get("job", "")),
                                   "file", info.get("record")))
     return found
 

@@ -54,6 +54,8 @@ class FakeCuda:
         self.reserved = [0] * devices
         self.peak_reserved = [0] * devices
         self.total_memory = total_memory
+        #: bytes other processes hold on each device (``mem_get_info`` counts them used)
+        self.others_use = [0] * devices
         self.uuids = [f"0000000{i}-1111-2222-3333-44444444444{i}" for i in range(devices)]
         self.Event = self._event_class()
 
@@ -81,6 +83,16 @@ class FakeCuda:
 
     def max_memory_reserved(self, device: int) -> int:
         return self.peak_reserved[device]
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        """``(free, total)`` bytes of the device, as ``cudaMemGetInfo`` says: memory that
+        any context holds is not free, and that includes what torch's caching allocator
+        of this process has reserved from the device but not handed out (torch reuses
+        that first); :attr:`others_use` is what other processes hold."""
+        self._check()
+        self._context(device, "mem_get_info")
+        used = self.reserved[device] + self.others_use[device]
+        return max(0, self.total_memory - used), self.total_memory
 
     def get_device_properties(self, device: int) -> Any:
         return SimpleNamespace(total_memory=self.total_memory, uuid=self.uuids[device],

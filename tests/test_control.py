@@ -49,7 +49,8 @@ class Job:
     """A hub and a 2-rank job streaming to it, in the background."""
 
     def __init__(self, tmp: Path, faults: Faults | None = None, duration_s: float = 90.0,
-                 failure_grace_s: float = 5.0) -> None:
+                 failure_grace_s: float = 5.0,
+                 probe_settings: dict[str, Any] | None = None) -> None:
         self.failure_grace_s = failure_grace_s
         self.hub = ThreadedHub(record=str(tmp / "run.rtop"), token=MASTER).start()
         #: its appearance ends the job normally, before ``duration_s``
@@ -57,7 +58,8 @@ class Job:
         self.spec = WorkloadSpec(world_size=2, duration_s=duration_s, hub=self.hub.address,
                                  token=auth.role_token(MASTER, "ingest"), dim=64, hidden=128,
                                  faults=faults or Faults(all_loader_sleep_s=0.01),
-                                 stop_file=str(self.stop_file))
+                                 stop_file=str(self.stop_file),
+                                 probe_settings=dict(probe_settings or {}))
         self.stop = threading.Event()
         self.results: list[dict[str, Any]] | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -292,7 +294,8 @@ def test_a_rank_killed_during_a_profile_is_named_and_rtop_holds_no_one(tmp_path:
     from tests import reliability
     from tests.faultkit import proc_alive
 
-    j = Job(tmp_path, failure_grace_s=120.0)
+    # 100 steps (the most a profile may take) of at least 50 ms: long enough to kill in
+    j = Job(tmp_path, Faults(all_loader_sleep_s=0.05), failure_grace_s=120.0)
     try:
         assert wait_for(j.running, 90)
         pids = j.pids()
@@ -302,7 +305,7 @@ def test_a_rank_killed_during_a_profile_is_named_and_rtop_holds_no_one(tmp_path:
             with control(j) as c:
                 t0 = time.monotonic()
                 result["out"] = c.act("profile", ranks=[0, 1],
-                                      args={"steps": 400, "dir": str(tmp_path / "tr")},
+                                      args={"steps": 100, "dir": str(tmp_path / "tr")},
                                       timeout_s=20)
                 result["took"] = time.monotonic() - t0
 

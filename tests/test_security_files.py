@@ -64,12 +64,18 @@ def _wait_for(cond, timeout: float = 20.0) -> bool:
 @pytest.fixture
 def fallback(tmp_path, monkeypatch) -> Path:
     """A private stand-in for /tmp (sticky, world-writable) and no $XDG_RUNTIME_DIR, so
-    runtime_dir() takes the /tmp/rtop-<uid> path, there."""
+    runtime_dir() takes the /tmp/rtop-<uid> path, there; a home of the test's own (where
+    the pointer to a fallback directory is kept)."""
     base = tmp_path / "tmp"
     base.mkdir()
     base.chmod(0o1777)
+    (tmp_path / "home").mkdir(mode=0o700)
     monkeypatch.setattr(cdisc, "FALLBACK_BASE", base)
+    monkeypatch.setattr(cdisc, "_fallbacks", {})
+    monkeypatch.setattr(cdisc, "_warned", set())
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     return base / f"rtop-{os.getuid()}"
 
 
@@ -83,11 +89,14 @@ def test_a_planted_symlink_runtime_dir_is_refused(fallback, tmp_path, caplog):
     target.mkdir(mode=0o700)
     fallback.symlink_to(target)
     with pytest.raises(PermissionError, match="symbolic link"):
-        cdisc.runtime_dir()
-    # inside a job: no hub found, one warning, never an exception
+        cdisc.private_dir(fallback)
+    # runtime_dir() never uses it: it says so once and goes to a private directory
     with caplog.at_level(logging.WARNING, logger="collectors"):
-        assert cdisc.local_hub(_ident(), spawn=True) is None
-        assert cdisc.local_hub(_ident(), spawn=True) is None
+        used = cdisc.runtime_dir()
+        assert cdisc.local_hub(_ident(), spawn=False) is None  # inside a job: no exception
+        assert cdisc.local_hub(_ident(), spawn=False) is None
+    assert used != fallback and used.parent == fallback.parent and not used.is_symlink()
+    assert _mode(used) == 0o700
     assert sum("symbolic link" in r.getMessage() for r in caplog.records) == 1
     assert not list(target.iterdir()), "nothing was written through the link"
     from rtop.discovery import from_files
@@ -96,12 +105,16 @@ def test_a_planted_symlink_runtime_dir_is_refused(fallback, tmp_path, caplog):
 
 
 @needs_root
-def test_someone_elses_runtime_dir_is_refused(fallback):
+def test_someone_elses_runtime_dir_is_refused(fallback, caplog):
     fallback.mkdir(mode=0o700)
     os.chown(fallback, NOBODY, NOBODY)
     with pytest.raises(PermissionError, match="belongs to uid 65534"):
-        cdisc.runtime_dir()
-    assert cdisc.local_hub(_ident(), spawn=True) is None
+        cdisc.private_dir(fallback)
+    with caplog.at_level(logging.WARNING, logger="collectors"):
+        used = cdisc.runtime_dir()
+    assert used != fallback and _mode(used) == 0o700 and used.stat().st_uid == UID
+    assert any("belongs to uid 65534" in r.getMessage() for r in caplog.records)
+    assert cdisc.local_hub(_ident(), spawn=False) is None
 
 
 def test_our_runtime_dir_open_to_others_is_made_private(fallback):
@@ -221,12 +234,18 @@ def test_the_discovery_file_is_written_without_following_a_planted_temp_link(tmp
     try:
         assert victim.read_text() == "precious"
         assert not path.is_symlink() and _mode(path) == 0o600
-        assert json.loads(path.read_text())["token"] == "tmp-token"
+        # the ranks' ingest token in the hub file, the master in the key file beside it
+        from collectors import auth
+
+        assert json.loads(path.read_text())["token"] == auth.role_token("tmp-token", "ingest")
+        key = cdisc.hub_key_path(path)
+        assert not key.is_symlink() and _mode(key) == 0o600
+        assert json.loads(key.read_text())["token"] == "tmp-token"
         assert [p.name for p in rdir.iterdir() if ".tmp" in p.name] == \
             [f"hub-tmpjob.json.{os.getpid()}.tmp"]  # only the planted link: no leftovers
     finally:
         hub.stop()
-    assert not path.exists()
+    assert not path.exists() and not cdisc.hub_key_path(path).exists()
 
 
 def test_the_recorder_does_not_follow_links_nor_take_others_files(tmp_path):
@@ -355,7 +374,9 @@ def test_an_auto_started_hub_logs_privately_and_without_its_token(monkeypatch):
         assert _mode(log_path) == 0o600
         assert _mode(rdir / "hub-autolog.lock") == 0o600
         text = log_path.read_text()
-        assert info["token"] not in text
+        master = cdisc.read_hub_key(rdir / "hub-autolog.json", info["pid"])
+        assert master is not None and master != info["token"]  # the rank got the ingest token
+        assert info["token"] not in text and master not in text
         assert "token in" in text  # it says where the token is instead
     finally:
         os.kill(info["pid"], signal.SIGTERM)

@@ -873,8 +873,9 @@ def _walk(obj: Any) -> Any:
 def test_finding3_no_token_in_any_file_a_run_writes(tmp_path, monkeypatch):
     """A node-local hub started by real ranks (recording, discovery file, its log),
     a viewer, ``rtop status`` and a /metrics scrape: then every file under the run's
-    directories is searched for the master token and every role token. Only the
-    discovery file (0600, how viewers on the node find the hub) may hold the master.
+    directories is searched for the master token and every role token. Only the key
+    file beside the discovery file (0600, how viewers on the node act on the job) may
+    hold the master, and the discovery file (0600) only the ranks' ingest token.
     Before: every recording held the token (the rank's hello, recorded as received)."""
     monkeypatch.setenv("RTOP_AUTOHUB", "1")
     runs, xdg = tmp_path / "runs", tmp_path / "xdg"
@@ -887,8 +888,11 @@ def test_finding3_no_token_in_any_file_a_run_writes(tmp_path, monkeypatch):
     discovery = files[0]
     info = json.loads(discovery.read_text())
     assert stat.S_IMODE(discovery.stat().st_mode) == 0o600
-    master = info["token"]
+    key = discovery.with_name(f"{discovery.stem}.key")
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    master = json.loads(key.read_text())["token"]
     secrets = _secrets(master)
+    assert info["token"] == secrets["ingest"]
     try:
         with HubClient(info["address"], secrets["view"]) as c:
             assert c.snapshot()["ranks"]["rank"] == [0, 1]
@@ -909,7 +913,8 @@ def test_finding3_no_token_in_any_file_a_run_writes(tmp_path, monkeypatch):
     for path in written:
         data = path.read_bytes()
         for name, secret in secrets.items():
-            if secret.encode() in data and not (path == discovery and name == "master"):
+            if secret.encode() in data and not ((path == discovery and name == "ingest")
+                                                or (path == key and name == "master")):
                 found.append(f"{path.relative_to(tmp_path)} holds the {name} token")
     assert not found, found
     for rec in recordings:

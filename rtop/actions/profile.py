@@ -6,6 +6,7 @@ Each rank answers with :class:`collectors.profiler.ProfileCapture`'s dict;
     {"dir": DIR,
      "traces": [{"rank": R, "path": FILE}, ...],
      "summary": {"ranks": [{"rank": R, "steps": [first, last], "timeline": "cpu" | "gpu",
+                            "steps_asked": K, "trace_bytes": N, "note": "why fewer steps",
                             "top_ops": [{"name": "aten::addmm", "self_s": 0.0012,
                                          "calls": 15}, ...],
                             "compute_s": ..., "comm_s": ..., "overlap_s": ...,
@@ -34,6 +35,7 @@ MAX_OPS = 50
 MAX_NAME = 200
 MAX_PATH = 1024
 MAX_ERROR = 300
+MAX_NOTE = 300
 #: The time figures of a rank's summary, in seconds.
 FIGURES = ("compute_s", "comm_s", "overlap_s", "idle_s", "wall_s")
 #: The split bar's parts: (label, glyph, colour).
@@ -92,8 +94,12 @@ def assemble(answers: Mapping[int, Any], out_dir: str, missing: Iterable[int],
         ops = [o for o in (_op(x) for x in (raw if isinstance(raw, list) else [])[:MAX_OPS])
                if o is not None]
         timeline = a.get("timeline")
+        note = a.get("note")
         ranks.append({"rank": r, "steps": _steps(a.get("steps")),
                       "timeline": timeline if timeline in ("cpu", "gpu") else None,
+                      "steps_asked": _int(a.get("steps_asked")),
+                      "trace_bytes": _int(a.get("trace_bytes")),
+                      "note": safe_text(note, MAX_NOTE) if isinstance(note, str) else None,
                       "top_ops": ops, **{k: _seconds(a.get(k)) for k in FIGURES}})
     return {"dir": safe_text(out_dir, MAX_PATH), "traces": traces, "summary": {"ranks": ranks},
             "errors": {str(r): errs[r] for r in sorted(errs)},
@@ -168,6 +174,8 @@ def format_text(result: Mapping[str, Any], *, bar_width: int = 40) -> str:
         where = "GPU" if x.get("timeline") == "gpu" else "CPU"
         lines += ["", f"rank {x['rank']} · steps {_steps_text(x.get('steps'))} · "
                       f"{fmt_ms(wall)} ms over the steps ({where} timeline)"]
+        if x.get("note"):
+            lines.append(f"  note: {safe_text(str(x['note']), MAX_NOTE)}")
         overlap = num(x.get("overlap_s"))
         for label, key in (("compute", "compute_s"), ("comm", "comm_s"), ("idle", "idle_s")):
             v = num(x.get(key))

@@ -428,10 +428,11 @@ class Hub:
                 self.token, *(self.role_token(r) for r in auth.ROLES)])
             info["record"] = str(path)
         self.state.run_info = info
-        if self.cfg.discovery_file:
+        if self.cfg.discovery_file:  # ranks read the ingest token; viewers the master's file
             write_hub_file(Path(self.cfg.discovery_file), {
-                "address": self.address, "token": self.token, "pid": os.getpid(),
-                "job": self.cfg.job, "record": info.get("record"), "started": time.time()})
+                "address": self.address, "token": self.role_token("ingest"),
+                "pid": os.getpid(), "job": self.cfg.job, "record": info.get("record"),
+                "started": time.time()}, master=self.token)
         self._spawn(self._housekeeping())
         self._spawn(self._pusher())
         log.info("rtop hub listening on %s%s", self.address,
@@ -462,8 +463,12 @@ class Hub:
         if self.recorder is not None:
             self.recorder.close()
         if self.cfg.discovery_file:
-            with contextlib.suppress(OSError):
-                Path(self.cfg.discovery_file).unlink()
+            from collectors.discovery import hub_key_path
+
+            for path in (Path(self.cfg.discovery_file),
+                         hub_key_path(Path(self.cfg.discovery_file))):
+                with contextlib.suppress(OSError):
+                    path.unlink()
         self._closed.set()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -1096,12 +1101,24 @@ def _outward_ip() -> str:
         return "127.0.0.1"
 
 
-def write_hub_file(path: Path, info: dict[str, Any]) -> None:
-    """Write a hub's address and token for ranks and ``rtop`` to find, atomically:
-    a fresh 0600 file of an unpredictable name (``mkstemp``, created with ``O_EXCL``,
-    so no planted link is followed) in the same directory, then renamed over
-    ``path``."""
+def write_hub_file(path: Path, info: dict[str, Any], master: str | None = None) -> None:
+    """Write a hub's discovery file for ranks and ``rtop`` to find: ``info`` (its
+    address, and the *ingest* token: all a rank needs) in ``path``, and, when given, the
+    ``master`` token (with the hub's ``pid``) in the private file beside it
+    (:func:`collectors.discovery.hub_key_path`), which viewers and actions read and ranks
+    never do. The key file is written first, so a viewer that finds the hub file finds
+    it too. Each file atomically: a fresh 0600 file of an unpredictable name
+    (``mkstemp``, created with ``O_EXCL``, so no planted link is followed) in the same
+    directory, then renamed over its name."""
+    from collectors.discovery import hub_key_path
+
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if master is not None:
+        _write_private_json(hub_key_path(path), {"token": master, "pid": info.get("pid")})
+    _write_private_json(path, info)
+
+
+def _write_private_json(path: Path, info: dict[str, Any]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:

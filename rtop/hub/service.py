@@ -2,7 +2,8 @@
 actor, tests).
 
 Both write the hub's discovery file themselves (:func:`write_hub_file`:
-``mkstemp`` then rename, 0600) once the hub listens, remove it when the hub ends, and
+``mkstemp`` then rename, 0600; the ranks' ingest token in it, the master token in the
+private key file beside it) once the hub listens, remove both when the hub ends, and
 tell the recorder the hub's tokens (master and roles), so that none reaches the
 recording.
 """
@@ -22,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from collectors.discovery import read_hub_file
+from collectors.discovery import hub_key_path, read_hub_file, read_hub_key
 from rtop.analysis import AnalysisConfig, Monitor
 from rtop.hub.server import Hub, HubConfig, write_hub_file
 from rtop.run.state import RunState
@@ -42,14 +43,18 @@ def hub_monitor(cfg: HubConfig, thresholds: AnalysisConfig | str | Path | None =
 
 
 def remove_hub_file(path: Path, pid: int | None = None) -> None:
-    """Remove a hub's file, if it is still this hub's (``pid``): a newer hub of the
-    same job may have replaced it."""
+    """Remove a hub's file and its key file, if they are still this hub's (``pid``): a
+    newer hub of the same job may have replaced them."""
     if pid is not None:
         info = read_hub_file(path)
         if info is not None and info.get("pid") != pid:
             return
     with contextlib.suppress(OSError):
         path.unlink()
+    key = hub_key_path(path)
+    if pid is None or read_hub_key(path, pid) is not None or not key.exists():
+        with contextlib.suppress(OSError):
+            key.unlink()
 
 
 def _own_discovery(cfg: HubConfig) -> tuple[HubConfig, Path | None]:
@@ -62,11 +67,11 @@ def _own_discovery(cfg: HubConfig) -> tuple[HubConfig, Path | None]:
 def _started(hub: Hub, discovery: Path | None) -> None:
     """Once the hub listens (its recording already keeps every token out): write its
     file."""
-    if discovery is not None:
+    if discovery is not None:  # ranks read the ingest token; viewers the key file's master
         write_hub_file(discovery, {
-            "address": hub.address, "token": hub.token, "pid": os.getpid(),
+            "address": hub.address, "token": hub.role_token("ingest"), "pid": os.getpid(),
             "job": hub.cfg.job, "record": str(hub.recorder.path) if hub.recorder else None,
-            "started": time.time()})
+            "started": time.time()}, master=hub.token)
 
 
 def _ended(discovery: Path | None) -> None:
