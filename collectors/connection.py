@@ -3,11 +3,13 @@
 :class:`HubConnection` runs on the sender thread and never blocks it for long. It
 
 * connects when due (the hub found through :mod:`collectors.discovery`), says hello
-  with a fresh nonce, checks the hub's proof in its challenge (it must hold the token:
-  :mod:`collectors.auth`), answers with its own proof and waits for the welcome
-  (``DOWN`` → ``HELLO`` → ``AUTH`` → ``UP``). No token is ever sent. A hub that cannot
-  prove itself gets nothing more: the socket is closed (logged once) and the rank
-  retries later;
+  with a fresh nonce, answers the hub's challenge with its proof, and waits for the
+  welcome, which must carry the hub's proof that it holds the token too
+  (:mod:`collectors.auth`; ``DOWN`` → ``HELLO`` → ``AUTH`` → ``UP``). No token is ever
+  sent. A hub that cannot prove itself gets nothing more: the socket is closed (logged
+  once) and the rank retries later. The hello carries this process's ``instance``, a
+  random secret: a rank whose side saw a connection break before the hub did takes its
+  place back at once (the hub refuses anyone else who claims a connected rank);
 * reads small frames only: ``wire.UNPROVEN_HUB_FRAME_BYTES`` before the hub has proved
   itself, ``wire.RANK_FRAME_BYTES`` after, decoded with msgpack's limits; anything
   bigger closes the connection (logged once), so a hostile listener on the hub's port
@@ -45,6 +47,7 @@ import enum
 import errno
 import logging
 import random
+import secrets
 import select
 import socket
 import time
@@ -79,7 +82,7 @@ class ConnState(enum.Enum):
 
     DOWN = "down"  # no socket: waiting for the next connect attempt
     HELLO = "hello"  # connected, hello sent, waiting for the hub's challenge
-    AUTH = "auth"  # the hub proved itself; our proof sent, waiting for the welcome
+    AUTH = "auth"  # our proof sent, waiting for the welcome and the hub's proof in it
     UP = "up"  # welcomed: batches flow
 
 
@@ -118,6 +121,9 @@ class HubConnection:
         self._decoder = wire.FrameDecoder(wire.UNPROVEN_HUB_FRAME_BYTES)
         self._key: bytes | None = None  # this connection's handshake key (ingest role)
         self._nonce = b""  # this connection's nonce
+        self._hub_nonce = b""  # the hub's, from its challenge
+        #: this rank process's secret: lets it take its own place back at the hub
+        self._instance = secrets.token_bytes(auth.NONCE_BYTES)
         self._peer = ""  # host:port of the hub this socket goes to
         #: encoded batch frames not yet started: (frame, records, seq)
         self._outbox: deque[tuple[bytes, int, int]] = deque()
@@ -363,7 +369,7 @@ class HubConnection:
         the spool)."""
         hello: dict[str, Any] = {"role": "rank"}
         if with_nonce:
-            hello["nonce"] = self._nonce
+            hello.update(nonce=self._nonce, auth=auth.VERSION, instance=self._instance)
         hello.update({
             "identity": self._identity.to_wire(),
             "clock": {"t_wall": time.time(), "t_mono": time.monotonic()},
@@ -464,7 +470,7 @@ class HubConnection:
             try:
                 frames = self._decoder.feed(data)
             except wire.WireError as exc:
-                if self.state is ConnState.HELLO:  # not even a hub that proved itself
+                if self.state in (ConnState.HELLO, ConnState.AUTH):  # hub not proven
                     self._distrust(now, "sent a bad frame before proving itself (%s)",
                                    _short(str(exc)))
                 else:
@@ -490,37 +496,44 @@ class HubConnection:
         elif self.state is ConnState.HELLO:
             self._on_challenge(now, frame)
         elif self.state is ConnState.AUTH:
-            if frame.kind == wire.KIND_WELCOME:
-                self._welcomed(frame)
-            # nothing else is expected before the welcome; ignored
+            self._on_welcome(now, frame)
         else:
             self._on_hub_frame(frame)
 
     def _on_challenge(self, now: float, frame: wire.Frame) -> None:
-        """The hub's first answer: it must prove it holds the token before anything."""
+        """The hub's first answer: its nonce. This rank proves itself first; the hub
+        proves itself in its welcome (:meth:`_on_welcome`)."""
         if frame.kind != wire.KIND_CHALLENGE:
             self._distrust(now, "answered the hello with %r, not a challenge (an older "
                            "hub, or not a hub)", _short(frame.kind, 40))
             return
         key, hub_nonce = self._key, frame.payload.get("nonce")
         assert key is not None
-        if not isinstance(hub_nonce, bytes) or not auth.valid_nonce(hub_nonce) \
-                or not auth.check(auth.hub_proof(key, "rank", self._nonce, hub_nonce),
-                                  frame.payload.get("proof")):
-            self._distrust(now, "could not prove it holds this rank's token (a wrong "
-                           "RTOP_TOKEN here, or not this job's hub)")
+        if not isinstance(hub_nonce, bytes) or not auth.valid_nonce(hub_nonce):
+            self._distrust(now, "sent a challenge without a valid nonce")
             return
+        self._hub_nonce = hub_nonce
         self.state = ConnState.AUTH
-        self._decoder.max_bytes = wire.RANK_FRAME_BYTES
         self._queue_control(wire.KIND_AUTH, {
             "proof": auth.client_proof(key, "rank", hub_nonce, self._nonce)})
 
-    def _welcomed(self, frame: wire.Frame) -> None:
+    def _on_welcome(self, now: float, frame: wire.Frame) -> None:
+        """The welcome must carry the hub's proof that it holds the token too."""
+        key = self._key
+        assert key is not None
+        if frame.kind != wire.KIND_WELCOME:
+            return  # nothing else is expected before the welcome; ignored
+        if not auth.check(auth.hub_proof(key, "rank", self._nonce, self._hub_nonce),
+                          frame.payload.get("proof")):
+            self._distrust(now, "could not prove it holds this rank's token (a wrong "
+                           "RTOP_TOKEN here, or not this job's hub)")
+            return
+        self._decoder.max_bytes = wire.RANK_FRAME_BYTES
         self.state = ConnState.UP
         self._acks = frame.payload.get("acks") is True
         self.connects += 1
         self._backoff = self._cfg.backoff_initial_s
-        self.hub_info.update(frame.payload)
+        self.hub_info.update({k: v for k, v in frame.payload.items() if k != "proof"})
         log.debug("rtop: connected to hub")
 
     def _on_hub_frame(self, frame: wire.Frame) -> None:

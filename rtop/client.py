@@ -23,8 +23,8 @@ class HubClient:
 
     ``token`` is the hub's master token or, for a viewer, its view token (for
     ``role="control"``, its control token). It is never sent: the client proves it
-    holds it, and first makes the hub prove that it does (:mod:`collectors.auth`); a
-    hub that cannot gets nothing more, and :class:`HubError` says so.
+    holds it, and the hub proves that it does in its welcome (:mod:`collectors.auth`);
+    a hub that cannot gets nothing more, and :class:`HubError` says so.
     """
 
     def __init__(self, address: str, token: str | None, timeout: float = 10.0,
@@ -57,7 +57,7 @@ class HubClient:
 
     def _handshake(self, role: str, key: bytes) -> None:
         nonce = auth.new_nonce()
-        self._send(wire.KIND_HELLO, {"role": role, "nonce": nonce,
+        self._send(wire.KIND_HELLO, {"role": role, "nonce": nonce, "auth": auth.VERSION,
                                      "clock": {"t_wall": time.time()}})
         first = self._next()
         if first.kind == wire.KIND_ERROR:
@@ -65,21 +65,26 @@ class HubClient:
                            f"{_clip(first.payload.get('message'))}")
         hub_nonce = first.payload.get("nonce")
         if first.kind != wire.KIND_CHALLENGE or not isinstance(hub_nonce, bytes) \
-                or not auth.valid_nonce(hub_nonce) \
-                or not auth.check(auth.hub_proof(key, role, nonce, hub_nonce),
-                                  first.payload.get("proof")):
-            raise HubError(f"the hub at {self.address} could not prove it holds the token "
-                           f"(is the token right? or that is not the hub it should be); "
-                           f"nothing sent to it")
-        self._dec.max_bytes = wire.MAX_FRAME_BYTES
+                or not auth.valid_nonce(hub_nonce):
+            raise HubError(f"the hub at {self.address} answered the hello with "
+                           f"{_clip(first.kind, 40)!r}, not a challenge (an older rtop, "
+                           f"or not a hub); nothing sent to it")
         self._send(wire.KIND_AUTH, {"proof": auth.client_proof(key, role, hub_nonce, nonce)})
         welcome = self._next()
         if welcome.kind == wire.KIND_ERROR:
+            hint = f" (is the token right? give the hub's token or its {_KEY_ROLE[role]} " \
+                   f"token)" if welcome.payload.get("code") == "token" else ""
             raise HubError(f"the hub at {self.address} refused us: "
-                           f"{_clip(welcome.payload.get('message'))}")
+                           f"{_clip(welcome.payload.get('message'))}{hint}")
         if welcome.kind != wire.KIND_WELCOME:
             raise HubError(f"unexpected frame {_clip(welcome.kind, 40)!r} from the hub at "
                            f"{self.address}")
+        if not auth.check(auth.hub_proof(key, role, nonce, hub_nonce),
+                          welcome.payload.get("proof")):
+            raise HubError(f"the hub at {self.address} could not prove it holds the token "
+                           f"(is the token right? or that is not the hub it should be); "
+                           f"nothing more sent to it")
+        self._dec.max_bytes = wire.MAX_FRAME_BYTES
 
     def _send(self, kind: str, payload: dict[str, Any]) -> None:
         try:

@@ -248,6 +248,13 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None, *,
         # "ranks" above, the others "previous_attempts"
         "attempts": attempts,
         "previous_attempts": attempts[:-1],
+        # worker groups that said hello beside the running attempt and never took over
+        # (another job on this hub, or a stray rank): who, not what they sent
+        "other_groups": [{"group": att.group, "job": att.job, "world_size": att.world_size,
+                          "ranks": sorted(att.ranks), "hosts": sorted(
+                              {rs.node for rs in att.ranks.values()}),
+                          "first_seen": att.started}
+                         for att in [*state.strays, *state.pending.values()]],
         "findings": findings,
         "thresholds": analyzer.cfg.to_dict(),
     }

@@ -50,6 +50,7 @@ class Listener:
         """One rank: the hub's side of the handshake, then every frame kept."""
         dec = wire.FrameDecoder()
         expect: bytes | None = None  # the proof the rank's auth must carry
+        proof = b""  # the hub's, sent in the welcome
         hello: dict[str, Any] | None = None
         with conn:
             while not self._stop:
@@ -65,9 +66,9 @@ class Listener:
                         assert key is not None
                         nonce, mine = frame.payload["nonce"], auth.new_nonce()
                         expect = auth.client_proof(key, "rank", mine, nonce)
+                        proof = auth.hub_proof(key, "rank", nonce, mine)
                         hello = frame.payload
-                        conn.sendall(wire.encode(wire.KIND_CHALLENGE, {
-                            "nonce": mine, "proof": auth.hub_proof(key, "rank", nonce, mine)}))
+                        conn.sendall(wire.encode(wire.KIND_CHALLENGE, {"nonce": mine}))
                         continue
                     if frame.kind == wire.KIND_AUTH and expect is not None:
                         if not auth.check(expect, frame.payload.get("proof")):
@@ -79,7 +80,8 @@ class Listener:
                         assert hello is not None
                         with self._lock:
                             self.hellos[hello["identity"]["rank"]] = hello
-                        conn.sendall(wire.encode(wire.KIND_WELCOME, {"t_hub": time.time()}))
+                        conn.sendall(wire.encode(wire.KIND_WELCOME, {"t_hub": time.time(),
+                                                                     "proof": proof}))
                         continue
                     with self._lock:
                         self.frames.append((time.time(), frame))

@@ -48,14 +48,15 @@ class RankClient:
     ``source`` (another loopback address, say) if given.
 
     With ``hello`` (the default) it goes through the handshake of
-    :mod:`collectors.auth`: hello with a nonce, the hub's challenge, its proof. Unlike
-    the collectors, it sends its proof even when the hub's did not check out (recorded
-    in ``hub_proven``), so a test sees the hub refuse a wrong token; what the hub sends
-    after the challenge (the welcome, an error) is left for :meth:`recv`.
+    :mod:`collectors.auth`: hello with a nonce, the hub's challenge, its proof; what the
+    hub sends after the challenge (the welcome with the hub's proof, an error) is left
+    for :meth:`recv`, so a test sees the hub refuse a wrong token
+    (:meth:`welcome_proven` checks a welcome).
     """
 
     def __init__(self, address: str, token: str, rank: int = 0, *, hello: bool = True,
-                 role: str = "rank", source: str | None = None, **ident: Any) -> None:
+                 role: str = "rank", source: str | None = None,
+                 instance: bytes | None = None, **ident: Any) -> None:
         self.sock = socket.create_connection(wire.parse_address(address), timeout=10,
                                              source_address=(source, 0) if source else None)
         self.dec = wire.FrameDecoder()
@@ -63,16 +64,23 @@ class RankClient:
         self.group = ident.get("group", "g0")
         self.frames: list[wire.Frame] = []
         self.hub_proven: bool | None = None
+        self._expect_hub = b""
         self.challenge: wire.Frame | None = None
         if hello:
-            extra = {"identity": identity(rank, **ident)} if role == "rank" else {}
+            extra: dict[str, Any] = {"identity": identity(rank, **ident)} \
+                if role == "rank" else {}
+            if instance is not None:  # a rank process's secret (collectors.connection)
+                extra["instance"] = instance
             self.handshake(token, role, {"clock": {"t_wall": time.time()}, **extra})
 
     def handshake(self, token: str, role: str, hello: dict[str, Any]) -> bool:
-        """hello -> challenge -> auth; True if the hub proved it holds ``token``. A hub
-        that answers the hello with something else (an error) leaves it to :meth:`recv`."""
+        """hello -> challenge -> auth: the peer proves itself first. True once the
+        challenge came (the hub then proves itself in its welcome, which is left for
+        :meth:`recv`: :meth:`welcome_proven` checks it). A hub that answers the hello
+        with something else (an error) leaves it to :meth:`recv`."""
         nonce = auth.new_nonce()
-        self.send(wire.KIND_HELLO, {"role": role, "nonce": nonce, **hello})
+        self.send(wire.KIND_HELLO, {"role": role, "nonce": nonce, "auth": auth.VERSION,
+                                    **hello})
         frame = self.recv()
         if frame is None or frame.kind != wire.KIND_CHALLENGE:
             if frame is not None:
@@ -81,9 +89,13 @@ class RankClient:
         self.challenge = frame
         hub_nonce = frame.payload["nonce"]
         key = auth.key_for(token, auth.HELLO_ROLES[role]) or b"no key for this role"
-        self.hub_proven = auth.check(auth.hub_proof(key, role, nonce, hub_nonce),
-                                     frame.payload.get("proof"))
+        self._expect_hub = auth.hub_proof(key, role, nonce, hub_nonce)
         self.send(wire.KIND_AUTH, {"proof": auth.client_proof(key, role, hub_nonce, nonce)})
+        return True
+
+    def welcome_proven(self, welcome: wire.Frame) -> bool:
+        """Whether a welcome carries the hub's proof that it holds the token."""
+        self.hub_proven = auth.check(self._expect_hub, welcome.payload.get("proof"))
         return self.hub_proven
 
     def send(self, kind: str, payload: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ from tests.test_connection import ScriptedHub, _batch, _conn, _pump_until
 def _up(hub: ScriptedHub, conn: HubConnection, acks: bool = True) -> None:
     """Handshake and welcome (an acknowledging hub unless ``acks`` is False)."""
     hub.handshake(conn)
-    hub.send(wire.KIND_WELCOME, {"t_hub": time.time(), **({"acks": True} if acks else {})})
+    hub.welcome({"t_hub": time.time(), **({"acks": True} if acks else {})})
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
 
 

@@ -65,14 +65,19 @@ class ScriptedHub:
                 return frames[0]
 
     def challenge(self, hello: wire.Frame, token: str = "tok") -> bytes:
-        """Answer a rank's hello with a challenge proving ``token``; the proof its auth
-        must carry."""
+        """Answer a rank's hello with a challenge (a nonce: the rank proves itself
+        first); the proof its auth must carry. The hub's own proof of ``token`` goes in
+        the welcome (:meth:`welcome`)."""
         key = auth.key_for(token, "ingest")
         assert key is not None
         nonce = auth.new_nonce()
-        self.send(wire.KIND_CHALLENGE, {"nonce": nonce, "proof": auth.hub_proof(
-            key, "rank", hello.payload["nonce"], nonce)})
+        self.welcome_proof = auth.hub_proof(key, "rank", hello.payload["nonce"], nonce)
+        self.send(wire.KIND_CHALLENGE, {"nonce": nonce})
         return auth.client_proof(key, "rank", nonce, hello.payload["nonce"])
+
+    def welcome(self, payload: dict | None = None) -> None:
+        """The welcome, with the hub's proof of the token given to :meth:`challenge`."""
+        self.send(wire.KIND_WELCOME, {**(payload or {}), "proof": self.welcome_proof})
 
     def handshake(self, conn: HubConnection, token: str = "tok") -> wire.Frame:
         """Accept, read the hello, prove ``token``, check the rank's proof (pumping
@@ -114,7 +119,7 @@ def test_states_hello_welcome_ping_control(hub):
     expect = hub.challenge(hello, token="t")
     _pump_until(conn, "the hub's proof", lambda: conn.state is ConnState.AUTH)
     assert hub.read() == wire.Frame(wire.KIND_AUTH, {"proof": expect})
-    hub.send(wire.KIND_WELCOME, {"t_hub": 1.0})
+    hub.welcome({"t_hub": 1.0})
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
     assert conn.connects == 1 and conn.hub_info["t_hub"] == 1.0
     assert hub.read().payload["seq"] == 1
@@ -134,7 +139,7 @@ def test_control_frames_without_a_handler_or_with_a_failing_one_are_harmless(hub
     conn = _conn(hub.address)
     conn.pump(time.monotonic())
     hub.handshake(conn)
-    hub.send(wire.KIND_WELCOME, {})
+    hub.welcome()
     hub.send(wire.KIND_CONTROL, {"command": "profile"})  # ignored: no handler
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
 
@@ -161,9 +166,11 @@ def _sent_nothing_more(sock: socket.socket) -> bool:
 
 
 def test_a_hub_that_cannot_prove_itself_gets_nothing_more(hub):
-    """Whoever listens on the hub's port without the token: its challenge does not
-    check out, so the rank sends no proof and no batch, ignores the welcome and the
-    control frame that follow, closes and retries later."""
+    """Whoever listens on the hub's port without the token: the rank proves itself
+    first (a proof keyed by the ingest key, which a role token's 192 bits or scrypt
+    protect: collectors.auth), but the welcome's proof does not check out, so the rank
+    sends no batch, ignores the welcome and the control frame, closes and retries
+    later."""
     controls: list[wire.Frame] = []
     conn = _conn(hub.address, token="the-real-token")
     conn.on_control = controls.append
@@ -172,7 +179,9 @@ def test_a_hub_that_cannot_prove_itself_gets_nothing_more(hub):
     hub.accept()
     hello = hub.read()
     hub.challenge(hello, token="a-guess")
-    hub.send(wire.KIND_WELCOME, {})
+    _pump_until(conn, "the rank's proof", lambda: conn.state is ConnState.AUTH)
+    assert hub.read().kind == wire.KIND_AUTH
+    hub.welcome()
     hub.send(wire.KIND_CONTROL, {"command": "profile"})
     _pump_until(conn, "the hub to be distrusted", lambda: conn.unproven_hubs == 1)
     assert conn.state is ConnState.DOWN and conn.socket is None
@@ -211,7 +220,7 @@ def test_frames_from_the_hub_are_small_or_the_connection_closes(hub):
     assert conn.unproven_hubs == 1
     _pump_until(conn, "the reconnect", lambda: conn.state is ConnState.HELLO)
     hub.handshake(conn)  # this time the hub proves itself
-    hub.send(wire.KIND_WELCOME, {})
+    hub.welcome()
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
     hub.send(wire.KIND_PING, {"seq": 1, "pad": b"p" * (wire.RANK_FRAME_BYTES - 100)})
     _pump_until(conn, "the pong", lambda: bool(select.select([hub.conn], [], [], 0)[0]))
@@ -305,7 +314,7 @@ def test_stalled_hub_bounds_unsent_bytes(hub):
     expect = hub.challenge(hub.read())
     _pump_until(conn, "the hub's proof", lambda: conn.state is ConnState.AUTH)
     assert hub.read().payload["proof"] == expect
-    hub.send(wire.KIND_WELCOME, {})
+    hub.welcome()
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
     frame = _batch(0, pad=20_000)
     sent = 0
@@ -365,7 +374,7 @@ def test_reconnect_requeues_frames_not_started():
     scripted.challenge(scripted.read())
     _pump_until(conn, "the hub's proof", lambda: conn.state is ConnState.AUTH)
     scripted.read()
-    peer.sendall(wire.encode(wire.KIND_WELCOME, {}))
+    scripted.welcome()
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
     peer.close()
     first.close()

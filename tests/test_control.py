@@ -181,7 +181,7 @@ def test_each_action_refuses_a_wrong_token(action: str) -> None:
         assert ranks.recv().kind == wire.KIND_WELCOME
         for token, says in ((auth.role_token(MASTER, "view"), "control"),
                             (auth.role_token(MASTER, "ingest"), "control"),
-                            ("a-wrong-token-of-enough-length-42", "prove"),
+                            ("a-wrong-token-of-enough-length-42", "wrong token"),
                             (None, "no token")):
             out = rtop(action, hub.address, "--json", token=token)
             assert out.returncode == 2, (token, out.stdout, out.stderr)

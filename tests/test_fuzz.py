@@ -11,7 +11,12 @@ Every target here feeds hostile or broken input to code that must take it calmly
   look): any file, real recordings cut short or corrupted, and recordings of hostile
   frames; a truncated recording yields every whole frame before the cut;
 * the rank's side of its hub connection (:class:`collectors.connection.HubConnection`):
-  whatever a listener on the hub's port sends, before and after the handshake.
+  whatever a listener on the hub's port sends, before and after the handshake;
+* the hub's side of the control channel, where a rank's answers enter
+  (:mod:`rtop.hub.answers`, :class:`rtop.hub.control.Actions`): whatever a rank (or
+  whoever holds the ingest token) answers an action with, on its connection or
+  another's, with the action's id or any other: checked, bounded, never a frame to a
+  rank beyond what a rank reads, and the requester always answered.
 
 The only exceptions allowed are the documented ones: ``WireError`` and its subclasses
 from the decoder, and from the reader only the ``WireError`` that says a file is not
@@ -82,7 +87,7 @@ EXAMPLES = PROFILES[PROFILE]
 #: the targets and how many properties each has here (checked by
 #: test_every_target_gets_its_cases): under ``ci`` a property gets its share of
 #: EXAMPLES, so that each target still gets EXAMPLES cases
-PROPERTIES = {"decoder": 3, "reader": 6, "connection": 2}
+PROPERTIES = {"decoder": 3, "reader": 6, "connection": 2, "results": 2}
 _declared: dict[str, int] = dict.fromkeys(PROPERTIES, 0)
 #: per case: far above what any case takes (a few ms), far below a hang
 DEADLINE = timedelta(seconds=2)
@@ -793,13 +798,13 @@ class FakeHub:
         """The hub's side of the handshake, done right: the rank welcomed (UP)."""
         assert self.key is not None
         nonce = auth.new_nonce()
-        peer.sendall(wire.encode(wire.KIND_CHALLENGE, {
-            "nonce": nonce,
-            "proof": auth.hub_proof(self.key, "rank", hello.payload["nonce"], nonce)}))
+        peer.sendall(wire.encode(wire.KIND_CHALLENGE, {"nonce": nonce}))
         pump_until(conn, lambda: conn.state is not ConnState.HELLO)
         [proof] = recv_frames(peer, wire.FrameDecoder(), 1)
         assert proof.kind == wire.KIND_AUTH
-        peer.sendall(wire.encode(wire.KIND_WELCOME, {"t_hub": 1.0}))
+        peer.sendall(wire.encode(wire.KIND_WELCOME, {
+            "t_hub": 1.0,
+            "proof": auth.hub_proof(self.key, "rank", hello.payload["nonce"], nonce)}))
         pump_until(conn, lambda: conn.state is ConnState.UP)
 
 
@@ -866,15 +871,19 @@ def hub_bytes(d: Draw) -> bytes:
 def test_a_hub_that_has_not_proved_itself_gets_nothing(fake_hub: FakeHub, data: bytes) -> None:
     """Whatever a listener on the hub's port answers a rank's hello with, short of the
     proof that it holds the token: no exception on the sender thread, never welcomed,
-    no control frame handed on, and nothing sent after the hello."""
+    no control frame handed on, and nothing sent after the hello but the rank's own
+    proof (the peer proves first: collectors.auth)."""
     controls: list[wire.Frame] = []
     conn, peer, _hello = fake_hub.connect(controls.append)
     try:
         send_all(conn, peer, data)
-        assert conn.state in (ConnState.HELLO, ConnState.DOWN)
+        assert conn.state in (ConnState.HELLO, ConnState.AUTH, ConnState.DOWN)
         assert not controls
+        sent = b""
         with contextlib.suppress(BlockingIOError, ConnectionResetError):
-            assert peer.recv(65536) == b"", "the rank spoke to an unproven hub"
+            sent = peer.recv(65536)
+        assert all(f.kind == wire.KIND_AUTH for f in wire.FrameDecoder().feed(sent)), \
+            "the rank spoke to an unproven hub"
     finally:
         conn.close()
         peer.close()
@@ -899,6 +908,140 @@ def test_a_proven_hub_s_frames_are_handled_calmly(fake_hub: FakeHub, data: bytes
     finally:
         conn.close()
         peer.close()
+
+
+# ---- the hub's side of the control channel: a rank's answers ---------------------------
+
+RESULT_STATES = ("armed", "ready", "late", "done", "error")
+
+
+def result_payload(d: Draw) -> dict[str, Any]:
+    """What a rank (or a holder of the ingest token) may answer an action with."""
+    p = d.payload()
+    if d.below(4):
+        p["state"] = d.pick(RESULT_STATES)
+    if d.below(2):
+        p[d.pick(("step", "error", "links", "threads", "top_ops", "trace", "peer"))] = \
+            d.value() if d.below(2) else d.text() * d.below(4096)
+    return p
+
+
+@fuzz("results")
+@given(bytes_for(2048).map(lambda d: (d.pick(("stacks", "profile", "probe")),
+                                       result_payload(d))))
+@example(("probe", {"state": "late", "step": "9" * 100_000}))
+@example(("stacks", {"state": "done", "threads": [[[[[[[["x"]]]]]]]]}))
+@no_hang
+def test_a_rank_s_answer_is_typed_and_bounded(case: tuple[str, dict[str, Any]]) -> None:
+    """:func:`rtop.hub.answers.clean_result` on any payload: a ``(state, body)`` of
+    known shape, strings cut, numbers finite, msgpack-encodable; else ``BadAnswer``."""
+    from rtop.hub.answers import MAX_ERROR, MAX_TEXT, STATES, BadAnswer, clean_result
+
+    action, payload = case
+    try:
+        state, body = clean_result(action, payload)
+    except BadAnswer:
+        return
+    assert state in STATES and isinstance(body, dict)
+    msgpack.packb(body, use_bin_type=True)
+
+    def walk(v: Any) -> None:
+        if isinstance(v, str):
+            assert len(v) <= MAX_TEXT
+        elif isinstance(v, float):
+            assert math.isfinite(v)
+        elif isinstance(v, list):
+            for e in v:
+                walk(e)
+        elif isinstance(v, dict):
+            for e in v.values():
+                walk(e)
+        else:
+            assert v is None or isinstance(v, (bool, int))
+
+    walk(body)
+    if state == "error":
+        assert isinstance(body["error"], str) and len(body["error"]) <= MAX_ERROR
+    if state == "late":
+        assert body["step"] is None or type(body["step"]) is int
+
+
+class _Peer:
+    """A connection the hub's actions talk to, in memory: what it is sent is kept."""
+
+    def __init__(self) -> None:
+        self.closing = False
+        self.rank: Any = None
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send(self, kind: str, payload: dict[str, Any]) -> None:
+        data = wire.encode(kind, payload)  # raises as the hub's own send would
+        self.sent.append((kind, wire.decode_body(data[wire.HEADER_BYTES:]).payload))
+
+    def close(self) -> None:
+        self.closing = True
+
+
+@dataclass(frozen=True)
+class ActionCase:
+    action: str
+    answers: tuple[tuple[int, bool, dict[str, Any], int], ...]  # rank, own id, payload, size
+
+
+def action_case(d: Draw) -> ActionCase:
+    return ActionCase(d.pick(("stacks", "profile", "probe")), tuple(
+        (d.below(2), bool(d.below(4)), result_payload(d),
+         d.pick((0, 1000, 300_000, 40_000_000))) for _ in range(1 + d.below(5))))
+
+
+@pytest.fixture(scope="module")
+def action_hub() -> Any:
+    """A real hub (not listening: its actions are driven in memory) with two ranks."""
+    from rtop.hub.server import Hub, HubConfig
+
+    hub = Hub(HubConfig(record="", spool_dir=""))
+    for r in (0, 1):
+        hub.monitor.apply(wire.Frame(wire.KIND_HELLO, {"identity": {
+            "rank": r, "local_rank": r, "world_size": 2, "hostname": f"n{r}", "ip": "",
+            "pid": 10 + r, "attempt": 0, "job": "j", "group": "g", "node_id": "",
+            "source": "env"}}), time.time())
+    return hub
+
+
+@fuzz("results")
+@given(bytes_for(2048).map(action_case))
+@example(ActionCase("probe", ((1, True, {"state": "late", "step": "9" * 1_000_000}, 0),)))
+@example(ActionCase("stacks", ((0, True, {"state": "done", "threads": "x" * 70_000}, 0),)))
+@no_hang
+def test_the_hub_takes_any_answer_calmly(action_hub: Any, case: ActionCase) -> None:
+    """The hub's real :class:`~rtop.hub.control.Actions` over two ranks and a requester
+    (in memory): whatever the ranks answer, with the action's id or another, of any
+    size: no exception; every frame to a rank within what a rank reads
+    (``wire.RANK_FRAME_BYTES``); the requester answered once, by the deadline at the
+    latest, its answer a frame."""
+    hub = action_hub
+    ranks = {r: _Peer() for r in (0, 1)}
+    for r, peer in ranks.items():
+        peer.rank = hub.state.rank_state(r)
+        hub._rank_conns[("g", r)] = peer
+    requester = _Peer()
+    hub.actions.request(requester, {"id": "c1", "action": case.action, "timeout_s": 30})
+    if not requester.sent or requester.sent[0][1].get("state") != "started":
+        return  # refused (a probe's plan, say): nothing more to answer
+    sent = {r: [p for k, p in peer.sent if k == wire.KIND_CONTROL] for r, peer in ranks.items()}
+    for rank, own, payload, size in case.answers:
+        if sent[rank]:
+            payload = {**payload, "id": sent[rank][0]["id"] if own else payload.get("id")}
+        hub.actions.result(ranks[rank], rank, payload, size=size)
+    for act in list(hub.actions.running.values()):
+        act.deadline = 0.0
+    hub.actions.tick(time.monotonic())
+    assert not hub.actions.running
+    for peer in ranks.values():
+        for kind, payload in peer.sent:
+            assert len(wire.encode(kind, payload)) <= wire.RANK_FRAME_BYTES
+    done = [p for k, p in requester.sent if k == wire.KIND_RESULT and p.get("state") == "done"]
+    assert len(done) == 1
 
 
 def test_every_target_gets_its_cases() -> None:

@@ -97,8 +97,9 @@ def test_wrong_token_is_refused_and_training_goes_on():
         probe = _probe(hub=listener.address, token="wrong", flush_interval_s=0.1)
         _train(probe, 100)
         probe.close(0.5)
-        # the proofs cannot match: the rank sees the hub's fail and sends it nothing more
-        assert probe.stats()["unproven_hubs"] >= 1
+        # the proofs cannot match: the hub refuses the rank's proof (the peer proves
+        # first), and the rank sends it nothing more
+        assert probe.stats()["refusals"] >= 1
         assert probe.stats()["sent_records"] == 0
         assert probe.step_count == 100
         assert not listener.hellos and not listener.frames and not listener.records()
@@ -130,10 +131,10 @@ def test_stalled_hub_costs_frames_not_training():
         dec = wire.FrameDecoder()
         [hello] = dec.feed(conn.recv(4096))
         key, nonce = auth.key_for("stall-token", "ingest"), auth.new_nonce()
-        conn.sendall(wire.encode(wire.KIND_CHALLENGE, {"nonce": nonce, "proof": auth.hub_proof(
-            key, "rank", hello.payload["nonce"], nonce)}))
+        conn.sendall(wire.encode(wire.KIND_CHALLENGE, {"nonce": nonce}))
         conn.recv(4096)  # the rank's proof, roughly
-        conn.sendall(wire.encode(wire.KIND_WELCOME, {"t_hub": time.time()}))
+        conn.sendall(wire.encode(wire.KIND_WELCOME, {"t_hub": time.time(), "proof":
+                                 auth.hub_proof(key, "rank", hello.payload["nonce"], nonce)}))
         # ... and never read again
 
     threading.Thread(target=accept, daemon=True).start()

@@ -96,7 +96,7 @@ def test_throttled_inter_node_link_is_a_slow_link(two_nodes, tmp_path):
     thresholds.write_text(json.dumps({"fabric_busbw": {"ethernet": 100e6}}))
     record, disc = tmp_path / "run.rtop", tmp_path / "hub.json"
     hub = in_ns(NS[0], sys.executable, "-m", "rtop", "serve", "--host", IP[0], "--port", "7790",
-                "--token", "link-token-0123456789", "--record", str(record), "--discovery-file",
+                "--token", "slow-link-test-Kq8vT2mX9zLp4wRc", "--record", str(record), "--discovery-file",
                 str(disc), "--thresholds", str(thresholds),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -106,7 +106,7 @@ def test_throttled_inter_node_link_is_a_slow_link(two_nodes, tmp_path):
         assert disc.exists(), "the hub did not start in its namespace"
         # compute well above the unthrottled allreduce: the healthy part is efficient
         spec = WorkloadSpec(world_size=2, duration_s=24.0, batch=768, dim=128, hidden=512,
-                            layers=2, hub=f"{IP[0]}:7790", token="link-token-0123456789")
+                            layers=2, hub=f"{IP[0]}:7790", token="slow-link-test-Kq8vT2mX9zLp4wRc")
         out = tmp_path / "out"
         out.mkdir()
         ranks = []

@@ -390,7 +390,7 @@ def test_stalled_hub_gets_whole_frames_and_the_spool_the_rest(runtime: Path) -> 
         expect = hub.challenge(hub.read())
         _pump_until(conn, "the hub's proof", lambda: conn.state.value == "auth")
         assert hub.read().payload["proof"] == expect
-        hub.send(wire.KIND_WELCOME, {})
+        hub.welcome()
         _pump_until(conn, "the welcome", lambda: conn.state.value == "up")
         n = 150  # 6 MB: more than the sockets take while the hub does not read
         for seq in range(n):

@@ -27,10 +27,9 @@ At most one training-thread action (profile or probe) runs at a time.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import os
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,7 +37,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from collectors import wire
+from collectors.control import MAX_PROFILE_STEPS
 from rtop.fmt import fmt_ranks, safe_text
+from rtop.hub.answers import MAX_RESULT_BYTES, BadAnswer, clean_result
 
 if TYPE_CHECKING:
     from rtop.hub.server import Hub
@@ -60,7 +61,6 @@ WAIT_FOR_GO_S = 10.0
 STACKS_TIMEOUT_S = 10.0
 MAX_TIMEOUT_S = 3600.0
 #: Limits on what may be asked.
-MAX_PROFILE_STEPS = 1000
 MIN_PROBE_BYTES, MAX_PROBE_BYTES = 1024, 1 << 30
 DEFAULT_PROBE_BYTES = 16 << 20
 #: Timed transfers each way per link in a probe, and in its re-measurement of the links
@@ -77,6 +77,8 @@ class _Peer(Protocol):
     closing: bool
 
     def send(self, kind: str, payload: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ActionError(ValueError):
@@ -124,8 +126,31 @@ class Actions:
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
         self.running: dict[str, Action] = {}
-        self._ids = itertools.count(1)
-        self.counters = {"actions": 0, "action_errors": 0}
+        self.counters = {"actions": 0, "action_errors": 0, "bad_answers": 0,
+                         "stray_answers": 0}
+
+    @staticmethod
+    def _new_id() -> str:
+        """An action's id: unguessable, so no connection can answer for an action it
+        was not sent (its rank's answers are matched by connection too)."""
+        return "a" + secrets.token_urlsafe(12)
+
+    def _tell(self, peer: _Peer, kind: str, payload: dict[str, Any]) -> bool:
+        """Send one frame to one peer; a failure (a frame too big, a broken transport)
+        costs that peer alone: it is logged and that connection closed. True if sent."""
+        if peer.closing:
+            return False
+        try:
+            peer.send(kind, payload)
+            return True
+        except Exception as exc:
+            log.warning("rtop hub: could not send a %s frame to a peer (%s); closing that "
+                        "connection", kind, safe_text(repr(exc), 200))
+            try:
+                peer.close()
+            except Exception:
+                log.exception("rtop hub: closing a peer failed")
+            return False
 
     # ---- requests from a control peer ----------------------------------------------
 
@@ -139,11 +164,11 @@ class Actions:
             action = self._start(peer, client_id, payload)
         except ActionError as exc:
             self.counters["action_errors"] += 1
-            peer.send(wire.KIND_RESULT, {"id": client_id, "state": "refused",
+            self._tell(peer, wire.KIND_RESULT, {"id": client_id, "state": "refused",
                                          "error": str(exc)})
             return
         self.counters["actions"] += 1
-        peer.send(wire.KIND_RESULT, {"id": client_id, "state": "started",
+        self._tell(peer, wire.KIND_RESULT, {"id": client_id, "state": "started",
                                      "action": action.action, "ranks": sorted(action.targets),
                                      "at_step": action.at_step, "timeout_s":
                                      round(action.deadline - time.monotonic(), 1),
@@ -185,14 +210,14 @@ class Actions:
                                     or isinstance(timeout, bool)
                                     or not 0 < timeout <= MAX_TIMEOUT_S):
             raise ActionError(f"timeout_s must be a number of seconds up to {MAX_TIMEOUT_S:.0f}")
-        aid = f"a{next(self._ids)}-{os.getpid()}"
+        aid = self._new_id()
         now = time.monotonic()
         if name == "stacks":
             act = Action(aid, client_id, name, peer, targets,
                          now + float(timeout or STACKS_TIMEOUT_S), {})
             self.running[aid] = act
             for conn in targets.values():
-                conn.send(wire.KIND_CONTROL, {"id": aid, "action": "stacks"})
+                self._tell(conn, wire.KIND_CONTROL, {"id": aid, "action": "stacks"})
             return act
         step_s = self.hub.step_seconds(targets)
         at_step = common_step([self.hub.last_step(r) for r in targets], step_s)
@@ -213,7 +238,7 @@ class Actions:
                          at_step=at_step, info={"dir": out_dir, "steps": steps})
             self.running[aid] = act
             for conn in targets.values():
-                conn.send(wire.KIND_CONTROL, {"id": aid, "action": "profile",
+                self._tell(conn, wire.KIND_CONTROL, {"id": aid, "action": "profile",
                                               "at_step": at_step, "args": act.args})
             return act
         # probe: every rank of the job, synchronised
@@ -225,6 +250,9 @@ class Actions:
             raise ActionError(f"bytes must be {MIN_PROBE_BYTES} to {MAX_PROBE_BYTES}")
         world = self.hub.world_size()
         ranks = sorted(targets)
+        too_much = self.hub.probe_refusal(nbytes, ranks)
+        if too_much is not None:
+            raise ActionError(too_much)
         if world is not None and ranks != list(range(world)):
             missing = sorted(set(range(world)) - set(ranks))
             raise ActionError(f"a probe needs every rank of the job connected; "
@@ -258,7 +286,7 @@ class Actions:
                      timeout_given=timeout is not None)
         self.running[aid] = act
         for r, conn in targets.items():
-            conn.send(wire.KIND_CONTROL, {"id": aid, "action": "probe", "at_step": at_step,
+            self._tell(conn, wire.KIND_CONTROL, {"id": aid, "action": "probe", "at_step": at_step,
                                           "wait_s": WAIT_FOR_GO_S,
                                           "args": {**act.args, "pairs": per_rank[r]}})
         return act
@@ -327,11 +355,11 @@ class Actions:
                 rc["unmeasured"] += [list(p) for p in pairs]
                 return False
         rc["links"] += [list(p) for p in pairs]
-        aid = f"a{next(self._ids)}-{os.getpid()}"
+        aid = self._new_id()
         again = self._probe(aid, first.client_id, first.requester, targets, schedule(pairs),
                             int(first.args["bytes"]), RECHECK_REPS, at_step, lead_s,
                             timeout, {"links": [list(p) for p in pairs]}, first=first)
-        first.requester.send(wire.KIND_RESULT, {
+        self._tell(first.requester, wire.KIND_RESULT, {
             "id": first.client_id, "state": "started", "action": "probe", "recheck": True,
             "ranks": involved, "at_step": at_step, "links": len(pairs),
             "timeout_s": round(again.deadline - time.monotonic(), 1)})
@@ -341,39 +369,58 @@ class Actions:
 
     # ---- answers from ranks --------------------------------------------------------
 
-    def result(self, rank: int, payload: dict[str, Any]) -> None:
-        """A rank's ``result`` frame."""
-        act = self.running.get(str(payload.get("id")))
-        if act is None or rank not in act.targets:
+    def result(self, conn: _Peer, rank: int, payload: dict[str, Any], size: int = 0) -> None:
+        """A ``result`` frame (``size`` bytes) that came on ``conn``, the connection of
+        ``rank``.
+
+        It counts only for an action the hub sent on that very connection (an answer
+        for another rank's action, or on another connection claiming the rank, is
+        counted in ``stray_answers`` and dropped); its fields are checked and bounded
+        (:func:`rtop.hub.answers.clean_result`; over
+        :data:`~rtop.hub.answers.MAX_RESULT_BYTES` it is not read): a malformed answer
+        is an error for that rank alone, and its connection stays up."""
+        aid = payload.get("id")
+        act = self.running.get(aid) if isinstance(aid, str) else None
+        if act is None or act.targets.get(rank) is not conn:
+            self.counters["stray_answers"] += 1
             return
-        state = payload.get("state")
+        try:
+            if size > MAX_RESULT_BYTES:
+                raise BadAnswer(f"{size} bytes, at most {MAX_RESULT_BYTES}")
+            state, body = clean_result(act.action, payload)
+        except BadAnswer as exc:
+            self.counters["bad_answers"] += 1
+            state, body = "error", {"error": f"its answer was malformed ({exc})"}
+        if rank in act.answers or rank in act.errors:
+            return  # answered already: a second answer changes nothing
         if state == "ready" and act.sync:
             act.ready.add(rank)
             if act.first_ready is None:
                 act.first_ready = time.monotonic()
             if act.ready >= set(act.targets) and not act.go_sent and act.cancelled is None:
                 act.go_sent = True
-                for conn in act.targets.values():
-                    conn.send(wire.KIND_CONTROL, {"id": act.id, "action": "go"})
+                for target in act.targets.values():
+                    self._tell(target, wire.KIND_CONTROL, {"id": act.id, "action": "go"})
         elif state == "late":
+            step = body["step"]
             self._cancel(act, f"rank {rank} was past step {act.at_step} when the probe "
-                              f"reached it (at step {payload.get('step')}); nothing ran")
+                              f"reached it (at step {'?' if step is None else step}); "
+                              f"nothing ran")
         elif state == "error":
-            act.errors[rank] = safe_text(str(payload.get("error") or "failed"))[:300]
+            act.errors[rank] = body["error"]
             if act.sync and not act.go_sent:
                 self._cancel(act, f"rank {rank} could not take part: {act.errors[rank]}")
         elif state == "done":
-            body = {k: v for k, v in payload.items()
-                    if k not in ("id", "state", "t_wall")}
             body["rank"] = rank
             act.answers[rank] = body
         if not act.pending():
             self._finish(act)
 
-    def rank_lost(self, rank: int) -> None:
-        """A rank's connection closed: it will not answer."""
+    def rank_lost(self, conn: _Peer, rank: int) -> None:
+        """A rank's connection closed: it will not answer the actions sent on it."""
         for act in list(self.running.values()):
-            if rank in act.targets and rank not in act.answers and rank not in act.errors:
+            if act.targets.get(rank) is conn and rank not in act.answers \
+                    and rank not in act.errors:
                 act.errors[rank] = "the rank's connection closed during the action"
                 if act.sync and not act.go_sent:
                     self._cancel(act, f"rank {rank} left before the probe started")
@@ -416,7 +463,7 @@ class Actions:
         act.cancelled = why
         if act.action != "stacks":
             for conn in act.targets.values():
-                conn.send(wire.KIND_CONTROL, {"id": act.id, "action": "cancel", "why": why})
+                self._tell(conn, wire.KIND_CONTROL, {"id": act.id, "action": "cancel", "why": why})
         if act.sync and not act.go_sent:
             for r in act.pending():
                 act.errors.setdefault(r, "cancelled: " + why)
@@ -447,8 +494,29 @@ class Actions:
         if missing:
             log.warning("rtop hub: %s: rank%s %s did not answer within the deadline",
                         act.action, "s" if len(missing) > 1 else "", _ranges(missing))
-        if not act.requester.closing:
-            act.requester.send(wire.KIND_RESULT, out)
+        self._answer(act.requester, out)
+
+    def _answer(self, requester: _Peer, out: dict[str, Any]) -> None:
+        """Send the requester its answer. One too big for a frame keeps the answers of
+        the ranks that fit (in rank order) and says which were left out, as errors."""
+        try:
+            wire.encode(wire.KIND_RESULT, out)
+        except wire.FrameTooLarge:
+            answers, kept, room = out["answers"], [], wire.MAX_FRAME_BYTES // 2
+            for a in answers:
+                size = len(wire.encode(wire.KIND_RESULT, a))
+                if size > room:
+                    break
+                kept.append(a)
+                room -= size
+            left = [a["rank"] for a in answers[len(kept):]]
+            out = {**out, "answers": kept, "errors": [*out["errors"], *(
+                {"rank": r, "error": "its answer was left out: all the answers together "
+                                     "would not fit one frame (ask fewer ranks)"}
+                for r in left)]}
+            log.warning("rtop hub: %s: the answers of %d rank(s) were left out to fit one "
+                        "frame", out.get("action"), len(left))
+        self._tell(requester, wire.KIND_RESULT, out)
 
 
 def _failure(act: Action) -> str | None:

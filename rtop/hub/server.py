@@ -11,17 +11,29 @@ One port serves four kinds of peer, told apart by what they send first:
 * Prometheus: an HTTP ``GET /metrics`` with ``Authorization: Bearer <view token>``.
 
 Every peer but Prometheus authenticates by challenge-response (:mod:`collectors.auth`):
-``hello`` (role, nonce Nc) -> ``challenge`` (nonce Ns, the hub's proof) -> ``auth`` (the
-peer's proof) -> ``welcome``, or ``error`` with code ``token`` and the connection
-closed. No token ever travels; a rank's hello is applied and recorded only once it has
-authenticated, and without its nonce. Each role may then send only its own kinds
-(``wire.RANK_KINDS``, ``VIEWER_KINDS``, ``CONTROL_KINDS``): anything else is refused
-with an error and not recorded.
+``hello`` (role, nonce Nc, ``auth: 2``) -> ``challenge`` (nonce Ns, nothing else) ->
+``auth`` (the peer's proof) -> ``welcome`` (the hub's proof), or ``error`` with code
+``token`` and the connection closed: the peer proves first, so whoever merely connects
+gets nothing to test guesses against. No token ever travels; a rank's hello is applied
+and recorded only once it has authenticated, and without its nonce or its ``instance``.
+Each role may then send only its own kinds (``wire.RANK_KINDS``, ``VIEWER_KINDS``,
+``CONTROL_KINDS``): anything else is refused with an error and not recorded.
+
+One open connection holds each rank (:meth:`Hub._claim`): a second connection that
+claims a connected rank is refused (``rank_taken``) unless it shows the rank process's
+``instance`` secret (the same process, back after a break the hub had not seen yet), and
+the holder is closed only if it shows no sign of life. A rank's identity cannot change
+on its connection, and an action's answer counts only on the connection the action was
+sent on (:mod:`rtop.hub.control`). A worker group that says hello beside the running
+one waits apart until it plausibly is the job's restart (:meth:`RunState._takes_over`).
 
 Before a peer has authenticated it may send only small frames
 (``HubConfig.preauth_frame_bytes``), must finish within ``auth_timeout_s``, and such
-connections are capped, overall and per address, as are their pending bytes. HTTP
-requests have a deadline, a size limit and caps of their own. Off loopback, an address
+connections are capped, overall and per address group (:func:`addr_group`: a /24, a
+/64, or loopback), as are their pending bytes. HTTP requests have a deadline, a size
+limit and caps of their own. At a cap the newcomer gets in and the oldest unfinished
+connection of the fullest group is closed, so stalled connections from a few
+addresses can neither fill the table nor keep a scraper or a rank out. Off loopback, an address
 that fails to authenticate ``throttle_failures`` times within ``throttle_window_s`` is
 refused for ``throttle_block_s``. What is logged about a peer is cut short and quoted
 (``%r``), and refusals are logged at most once per address every ``log_every_s``, with
@@ -68,7 +80,14 @@ from rtop.hub.control import Actions, default_profile_dir
 from rtop.hub.recorder import Recorder, default_record_path
 from rtop.hub.spool import SpoolIngest
 from rtop.run.snapshot import HubInfo, RankDetail, Snapshot
-from rtop.run.state import KIND_LINKS, MAX_RANKS, ProtocolError, RankState, RunState
+from rtop.run.state import (
+    KIND_LINKS,
+    MAX_RANKS,
+    ProtocolError,
+    RankState,
+    RunState,
+    clean_identity,
+)
 
 log = logging.getLogger("rtop.hub")
 
@@ -79,8 +98,12 @@ HTTP_MAX_BYTES = 8192
 MIN_TOKEN_CHARS = 16
 #: Characters of what a peer sent (a frame kind, an error's text) that reach the log.
 LOG_CHARS = 80
-#: Hello payload keys never recorded (what a handshake or an old client carries).
-SECRET_KEYS = frozenset({"token", "nonce", "proof"})
+#: Hello payload keys never recorded (what a handshake or an old client carries; a
+#: rank process's ``instance``, the secret that lets it take its own place back).
+SECRET_KEYS = frozenset({"token", "nonce", "proof", "instance"})
+#: When a second connection claims a rank that is connected, the first must show it is
+#: alive (send anything; it is pinged at once) within this, or it is closed as dead.
+TAKEN_LIVENESS_S = 3.0
 
 
 @dataclass
@@ -102,11 +125,11 @@ class HubConfig:
     max_frame_bytes: int = wire.MAX_FRAME_BYTES  # once authenticated
     preauth_frame_bytes: int = wire.PREAUTH_FRAME_BYTES  # before
     max_unauth: int = 2048  # connections not yet authenticated, overall ...
-    max_unauth_per_addr: int = 256  # ... and from one address
+    max_unauth_per_addr: int = 256  # ... and from one address group (addr_group)
     max_unauth_pending_bytes: int = 8 << 20  # bytes of half frames they may hold, overall
     http_deadline_s: float = 5.0  # an HTTP request must arrive whole within this
     max_http: int = 64  # HTTP connections open at once, overall ...
-    max_http_per_addr: int = 8  # ... and from one address
+    max_http_per_addr: int = 8  # ... and from one address group (addr_group)
     throttle_failures: int = 5  # failed authentications from one address within ...
     throttle_window_s: float = 60.0  # ... this long get that address ...
     throttle_block_s: float = 60.0  # ... refused for this long
@@ -138,6 +161,65 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def addr_group(addr: str) -> str:
+    """The group a peer's address is counted in against the connection limits: its /24
+    (IPv4, and IPv4 mapped into IPv6) or its /64 (IPv6); every loopback address is one
+    group. So a few addresses of one host or one subnet share one quota."""
+    try:
+        ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    except ValueError:
+        return addr
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return "loopback"
+    prefix = 24 if ip.version == 4 else 64
+    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
+
+
+class _Quota:
+    """Connections of one kind (not yet authenticated, or HTTP) held open, oldest
+    first, counted overall and per address group (:func:`addr_group`)."""
+
+    def __init__(self, total: int, per_group: int) -> None:
+        self.total, self.per_group = total, per_group
+        self.conns: dict[_Conn, None] = {}  # insertion order: the oldest first
+        self.by_group: dict[str, int] = {}
+
+    def full_for(self, group: str) -> bool:
+        return len(self.conns) >= self.total or self.by_group.get(group, 0) >= self.per_group
+
+    def victim(self, group: str) -> _Conn | None:
+        """Whom to close to make room for a newcomer of ``group``: the oldest of that
+        group if the group is at its cap, else the oldest of the group that holds the
+        most (a few addresses cannot hold every place, nor keep a newcomer out)."""
+        if self.by_group.get(group, 0) >= self.per_group:
+            pick = group
+        elif len(self.conns) >= self.total and self.by_group:
+            pick = max(self.by_group, key=self.by_group.__getitem__)
+        else:
+            return None
+        return next((c for c in self.conns if c.group == pick), None)
+
+    def add(self, conn: _Conn) -> None:
+        self.conns[conn] = None
+        self.by_group[conn.group] = self.by_group.get(conn.group, 0) + 1
+
+    def remove(self, conn: _Conn) -> None:
+        if self.conns.pop(conn, False) is None:
+            left = self.by_group.get(conn.group, 1) - 1
+            if left > 0:
+                self.by_group[conn.group] = left
+            else:
+                self.by_group.pop(conn.group, None)
+
+    def __len__(self) -> int:
+        return len(self.conns)
+
+    def of(self, group: str) -> int:
+        return self.by_group.get(group, 0)
 
 
 def clip(text: object, limit: int = LOG_CHARS) -> str:
@@ -248,11 +330,18 @@ class _Conn(asyncio.Protocol):
         self.claimed: str | None = None
         self.hello: dict[str, Any] | None = None  # a rank's hello, applied once it authenticates
         self.expect = b""  # the proof its auth must carry
+        self.welcome_proof = b""  # the hub's proof, sent in the welcome once it has
+        self.slot: tuple[str, int] | None = None  # (group, rank) this connection holds
+        self.instance = b""  # the rank process's secret, from its hello
+        self.replaced = False  # its rank process came back on a newer connection
+        self.alive_by: float | None = None  # must show it is alive by then (see _claim)
+        self.alive_asked = 0.0
         self.unauth = False  # counted among the connections not yet authenticated
         self.pending = 0  # bytes of half frames counted while not authenticated
         self.http_counted = False  # counted among the open HTTP connections
         self.who = "?"
         self.addr = "?"
+        self.group = "?"  # the address's group for the connection limits (addr_group)
         now = time.monotonic()
         self.opened = self.last = now
         self.spoke = False
@@ -281,6 +370,7 @@ class _Conn(asyncio.Protocol):
             self.who = f"{peer[0]}:{peer[1]}"
         else:
             self.addr = self.who = str(peer)
+        self.group = addr_group(self.addr)
         self.hub._conns.add(self)
         self.hub.counters["connections"] += 1
         self.hub._admit(self)
@@ -316,7 +406,10 @@ class _Conn(asyncio.Protocol):
             self.hub._flood(self)
             return
         for raw, frame in frames:
-            self.hub._frame(self, raw, frame)
+            try:
+                self.hub._frame(self, raw, frame)
+            except Exception as exc:  # one peer's frame never breaks another connection
+                self.hub._internal(self, frame.kind, exc)
             if self.closing:
                 return
         if error is not None:
@@ -355,6 +448,9 @@ class Hub:
                 raise ValueError(f"refusing to listen beyond loopback with a token shorter "
                                  f"than {MIN_TOKEN_CHARS} characters ({len(given)}): give "
                                  f"a longer one, or none and the hub makes one")
+            weak = auth.token_weakness(given) if given else None
+            if weak is not None:
+                raise ValueError(f"refusing to start: {weak}")
         self.token = given if given else secrets.token_urlsafe(24)
         #: the handshake key of each hello role (the hub holds the master: every role's)
         self._keys: dict[str, bytes] = {}
@@ -381,17 +477,17 @@ class Hub:
             self.cfg.spool_scan_s)
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
+        #: the open connection that holds each rank: (group, rank) -> connection
+        self._rank_conns: dict[tuple[str, int], _Conn] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._snap_cache: tuple[float, bytes] | None = None
         self._metrics_cache: tuple[float, bytes] | None = None
         self._closed = asyncio.Event()
         self._closing: asyncio.Task[None] | None = None
         self._idle_since: float | None = None
-        self._unauth_total = 0
-        self._unauth_by_addr: dict[str, int] = {}
+        self._unauth = _Quota(self.cfg.max_unauth, self.cfg.max_unauth_per_addr)
         self._unauth_pending = 0
-        self._http_total = 0
-        self._http_by_addr: dict[str, int] = {}
+        self._https = _Quota(self.cfg.max_http, self.cfg.max_http_per_addr)
         self._throttle = _Throttle(self.cfg.throttle_failures, self.cfg.throttle_window_s,
                                    self.cfg.throttle_block_s)
         self._peer_log = _PeerLog(self.cfg.log_every_s, self.cfg.log_summary_s)
@@ -399,7 +495,9 @@ class Hub:
         self.counters = {"connections": 0, "refused": 0, "bad_frames": 0, "floods": 0,
                          "silent": 0, "snapshots_skipped": 0, "snapshots_sent": 0,
                          "forbidden": 0, "unauthenticated_timeouts": 0, "busy": 0,
-                         "throttled": 0, "http_timeouts": 0, "duplicate_batches": 0}
+                         "throttled": 0, "http_timeouts": 0, "duplicate_batches": 0,
+                         "internal_errors": 0, "rank_taken": 0, "rank_replaced": 0,
+                         "dead_connections": 0, "evicted": 0}
 
     def role_token(self, role: str) -> str:
         """The token of a role (``ingest``, ``view``, ``control``) for this hub."""
@@ -483,45 +581,43 @@ class Hub:
         return self.cfg.throttle_loopback or not is_loopback(addr)
 
     def _admit(self, conn: _Conn) -> None:
-        """A new connection: refused at once if its address is throttled or too many
-        unauthenticated connections are open; else counted as unauthenticated."""
-        cfg, addr, now = self.cfg, conn.addr, time.monotonic()
+        """A new connection: refused at once if its address is throttled; else counted
+        as unauthenticated, making room if the limits are reached by closing the oldest
+        connection not yet authenticated (:meth:`_make_room`)."""
+        addr, now = conn.addr, time.monotonic()
         if self._throttles(addr) and self._throttle.blocked(addr, now):
             self.counters["throttled"] += 1
             conn.close()
             return
-        if self._unauth_total >= cfg.max_unauth or \
-                self._unauth_by_addr.get(addr, 0) >= cfg.max_unauth_per_addr:
-            self.counters["busy"] += 1
-            self._peer_log(addr, "rtop hub: too many connections not yet authenticated "
-                           "(%d, %d from %r); refused one from %r", self._unauth_total,
-                           self._unauth_by_addr.get(addr, 0), addr, conn.who)
-            conn.close()
-            return
+        self._make_room(self._unauth, conn, "not yet authenticated")
         conn.unauth = True
-        self._unauth_total += 1
-        self._unauth_by_addr[addr] = self._unauth_by_addr.get(addr, 0) + 1
+        self._unauth.add(conn)
+
+    def _make_room(self, quota: _Quota, conn: _Conn, what: str) -> None:
+        """Close the oldest connection ``quota`` holds that keeps ``conn`` out (see
+        :meth:`_Quota.victim`): when full, the newcomer gets in and the oldest unfinished
+        one goes, so stalled connections from a few addresses cannot lock others out."""
+        while quota.full_for(conn.group):
+            victim = quota.victim(conn.group)
+            if victim is None:
+                break
+            self.counters["evicted"] += 1
+            self._peer_log(victim.addr, "rtop hub: too many connections %s (%d, %d from "
+                           "%s); closed the oldest, %r, to let %r in", what, len(quota),
+                           quota.of(victim.group), victim.group, victim.who, conn.who)
+            victim.close()
+            self._release(victim)
 
     def _release(self, conn: _Conn) -> None:
         """The connection authenticated, turned out to be HTTP, or closed."""
         if conn.unauth:
             conn.unauth = False
-            self._unauth_total -= 1
-            left = self._unauth_by_addr.get(conn.addr, 1) - 1
-            if left > 0:
-                self._unauth_by_addr[conn.addr] = left
-            else:
-                self._unauth_by_addr.pop(conn.addr, None)
+            self._unauth.remove(conn)
             self._unauth_pending -= conn.pending
             conn.pending = 0
         if conn.http_counted and conn.closing:
             conn.http_counted = False
-            self._http_total -= 1
-            left = self._http_by_addr.get(conn.addr, 1) - 1
-            if left > 0:
-                self._http_by_addr[conn.addr] = left
-            else:
-                self._http_by_addr.pop(conn.addr, None)
+            self._https.remove(conn)
 
     def _hold(self, conn: _Conn, n: int) -> bool:
         """May an unauthenticated connection buffer ``n`` more bytes?"""
@@ -599,6 +695,16 @@ class Hub:
                 self._peer_log(conn.addr, "rtop hub: %r did not authenticate within %.0f s; "
                                "closed", conn.who, cfg.auth_timeout_s)
                 conn.close()
+            elif conn.alive_by is not None and mono >= conn.alive_by:
+                if conn.last > conn.alive_asked:
+                    conn.alive_by = None  # it is alive: the claim stays refused
+                else:
+                    self.counters["dead_connections"] += 1
+                    log.warning("rtop hub: rank %s's connection (%r) sent nothing for "
+                                "%.0f s once another connection claimed the rank; closed "
+                                "as dead", conn.rank.rank if conn.rank else "?", conn.who,
+                                TAKEN_LIVENESS_S)
+                    conn.close()
             elif conn.role == "rank" and mono - conn.last > cfg.idle_timeout_s:
                 log.warning("rtop hub: rank %s (%r) sent nothing for %.0f s; closed",
                             conn.rank.rank if conn.rank else "?", conn.who,
@@ -692,26 +798,33 @@ class Hub:
             self._refuse(conn, "role", f"unknown role {clip(role, 40)!r} (rank, viewer "
                                        "or control)")
             return
-        if not isinstance(nonce, bytes) or not auth.valid_nonce(nonce):
+        if not isinstance(nonce, bytes) or not auth.valid_nonce(nonce) \
+                or p.get("auth") != auth.VERSION:
             self.counters["refused"] += 1
-            why = "sent its token in the clear" if "token" in p else "sent no valid nonce"
+            why = "sent its token in the clear" if "token" in p else (
+                "sent no valid nonce" if not isinstance(nonce, bytes)
+                or not auth.valid_nonce(nonce) else "speaks an older handshake")
             self._peer_log(conn.addr, "rtop hub: %r (a %s) %s: an older rtop? refused",
                            conn.who, role, why)
-            self._refuse(conn, "protocol", "this hub authenticates by challenge-response "
-                                           "and needs a nonce in the hello (never the "
-                                           "token): upgrade rtop on this side")
+            self._refuse(conn, "protocol", f"this hub authenticates by challenge-response "
+                                           f"version {auth.VERSION} (the peer proves "
+                                           f"first; never the token): upgrade rtop on "
+                                           f"this side")
             return
         key = self._keys[role]
         hub_nonce = auth.new_nonce()
         conn.claimed = role
         conn.expect = auth.client_proof(key, role, hub_nonce, nonce)
+        # the hub proves itself only in the welcome, to a peer that has proved itself:
+        # whoever merely connects learns nothing to test guesses at the token against
+        conn.welcome_proof = auth.hub_proof(key, role, nonce, hub_nonce)
         if role == "rank":
             conn.hello = p
-        conn.send(wire.KIND_CHALLENGE, {"nonce": hub_nonce,
-                                        "proof": auth.hub_proof(key, role, nonce, hub_nonce)})
+        conn.send(wire.KIND_CHALLENGE, {"nonce": hub_nonce})
 
     def _auth(self, conn: _Conn, frame: wire.Frame) -> None:
-        """Second frame: the peer's proof. Right: welcome (a rank's hello applied now)."""
+        """Second frame: the peer's proof. Right: welcome (a rank's hello applied now),
+        with the hub's own proof."""
         if frame.kind != wire.KIND_AUTH:
             self._bad(conn, wire.WireError(
                 f"expected auth after the challenge, got {clip(frame.kind)!r}"))
@@ -731,7 +844,21 @@ class Hub:
             hello, conn.hello = conn.hello or {}, None
             self._rank_frame(conn, b"", wire.Frame(wire.KIND_HELLO, hello))
         else:
-            conn.send(wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__})
+            self._welcome(conn)
+
+    def _welcome(self, conn: _Conn, **extra: Any) -> None:
+        conn.send(wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__,
+                                      "proof": conn.welcome_proof, **extra})
+        conn.welcome_proof = b""
+
+    def _internal(self, conn: _Conn, kind: str, exc: Exception) -> None:
+        """Handling one frame failed inside the hub: that connection alone is closed."""
+        self.counters["internal_errors"] += 1
+        log.error("rtop hub: handling a %r frame from %r failed; that connection is "
+                  "closed", clip(kind), conn.who, exc_info=exc)
+        with contextlib.suppress(Exception):
+            self._refuse(conn, "internal", "the hub could not handle that frame")
+        conn.close()
 
     def _forbidden(self, conn: _Conn, kind: str) -> None:
         self.counters["forbidden"] += 1
@@ -746,7 +873,7 @@ class Hub:
         now = time.time()
         if frame.kind == wire.KIND_RESULT:  # an action's answer: not the run's record
             if conn.rank is not None:
-                self.actions.result(conn.rank.rank, frame.payload)
+                self.actions.result(conn, conn.rank.rank, frame.payload, size=len(raw))
             return
         if frame.kind == wire.KIND_PONG:
             if conn.rank is not None:
@@ -758,6 +885,15 @@ class Hub:
             self.counters["duplicate_batches"] += 1
             return
         if frame.kind == wire.KIND_HELLO:  # recorded without anything of the handshake
+            if conn.rank is not None:
+                self._bad(conn, ProtocolError("one connection is one rank: it says hello "
+                                              "once, and its identity cannot change"))
+                return
+            if not self._claim(conn, frame.payload):
+                return
+            instance = frame.payload.get("instance")
+            conn.instance = instance if isinstance(instance, bytes) \
+                and 16 <= len(instance) <= 64 else b""
             clean = {k: v for k, v in frame.payload.items() if k not in SECRET_KEYS}
             frame = wire.Frame(wire.KIND_HELLO, clean)
             raw = wire.encode(wire.KIND_HELLO, clean)
@@ -769,14 +905,20 @@ class Hub:
         if self.recorder is not None:
             self.recorder.raw(raw, now)
         if frame.kind == wire.KIND_HELLO and rs is not None:
-            first = conn.rank is None
             conn.rank = rs
-            if first:  # acks: this hub acknowledges batches (collectors.connection)
-                conn.send(wire.KIND_WELCOME, {"t_hub": time.time(), "hub": __version__,
-                                              "acks": True})
+            self._take_slot(conn, rs)
+            # acks: this hub acknowledges batches (collectors.connection)
+            self._welcome(conn, acks=True)
+            if self.state.is_current(rs):
                 log.info("rtop hub: rank %d of %d (%r, attempt %d) connected from %r",
                          rs.rank, rs.identity.world_size, clip(rs.node), rs.attempt,
                          conn.who)
+            else:
+                self._peer_log(conn.addr, "rtop hub: rank %d of %d (%r, job %r, group %r) "
+                               "connected from %r while another attempt runs: kept apart "
+                               "until that one ends (another job on this hub, or a stray "
+                               "rank)", rs.rank, rs.identity.world_size, clip(rs.node),
+                               clip(rs.identity.job), clip(rs.identity.group), conn.who)
         elif frame.kind == wire.KIND_BYE:
             conn.clean = True
             if rs is not None and rs.last_seq is not None:
@@ -785,6 +927,55 @@ class Hub:
                     self.recorder.flush()
                 conn.acked = rs.last_seq
                 conn.send(wire.KIND_ACK, {"seq": rs.last_seq})
+
+    def _claim(self, conn: _Conn, hello: dict[str, Any]) -> bool:
+        """One live connection per rank: may ``conn`` (authenticated, saying ``hello``)
+        speak for the rank it names?
+
+        Yes if no other open connection holds that rank. If one does, and this hello
+        carries the same rank process's ``instance`` secret, the process came back (its
+        side saw the old connection break before the hub did): the old one is closed
+        and this one takes its place. Anyone else is refused (``rank_taken``), and the
+        old connection is asked to show it is alive: silent for
+        :data:`TAKEN_LIVENESS_S` after a ping, it is closed as dead, and the rank's next
+        try gets in. A malformed identity is left to the state to refuse."""
+        try:
+            ident = clean_identity(hello.get("identity"))
+        except ProtocolError:
+            return True
+        slot = (RunState._group_of(ident), ident.rank)
+        old = self._rank_conns.get(slot)
+        if old is None or old is conn or old.closing:
+            return True
+        instance = hello.get("instance")
+        if isinstance(instance, bytes) and len(instance) >= 16 and old.instance \
+                and hmac.compare_digest(instance, old.instance):
+            self.counters["rank_replaced"] += 1
+            log.info("rtop hub: rank %d (%r) came back on a new connection from %r; the "
+                     "old one (%r) is closed", ident.rank, clip(ident.hostname), conn.who,
+                     old.who)
+            old.replaced = True
+            old.close()
+            return True
+        self.counters["rank_taken"] += 1
+        mono = time.monotonic()
+        if old.alive_by is None:
+            old.alive_by, old.alive_asked = mono + TAKEN_LIVENESS_S, mono
+            self._ping(old, time.time())
+        self._peer_log(conn.addr, "rtop hub: %r claims rank %d of group %r, which %r "
+                       "holds; refused (the holder must show it is alive within %.0f s)",
+                       conn.who, ident.rank, clip(slot[0]), old.who, TAKEN_LIVENESS_S)
+        self._refuse(conn, "rank_taken",
+                     f"rank {ident.rank} of group {clip(slot[0], 60)!r} is connected "
+                     f"already; a second connection for it is refused (if the first is "
+                     f"dead, the hub closes it within {TAKEN_LIVENESS_S:.0f} s and the "
+                     f"next try gets in)")
+        return False
+
+    def _take_slot(self, conn: _Conn, rs: RankState) -> None:
+        """``conn`` now holds its rank (see :meth:`_claim`)."""
+        conn.slot = (RunState._group_of(rs.identity), rs.rank)
+        self._rank_conns[conn.slot] = conn
 
     def _bad(self, conn: _Conn, exc: Exception) -> None:
         self.counters["bad_frames"] += 1
@@ -807,15 +998,21 @@ class Hub:
         first of several to go is the culprit: rtop.analysis.detectors.lost_rank)."""
         self._conns.discard(conn)
         self._release(conn)
+        holder = self._rank_conns.get(conn.slot) if conn.slot is not None else None
+        if holder is conn and conn.slot is not None:
+            del self._rank_conns[conn.slot]
+        elif holder is not None:
+            conn.replaced = True  # its rank is held by a newer connection already
         try:
             if conn.role == "control":
                 self.actions.peer_lost(conn)
             elif conn.role == "rank" and conn.rank is not None:
-                self.actions.rank_lost(conn.rank.rank)
+                self.actions.rank_lost(conn, conn.rank.rank)
         except Exception:
             log.exception("rtop hub: ending the actions of a closed connection failed")
         rs = conn.rank
-        if conn.role != "rank" or rs is None or conn.clean or self._closed.is_set():
+        if conn.role != "rank" or rs is None or conn.clean or conn.replaced \
+                or self._closed.is_set():
             return
         if self._closing is not None:
             return
@@ -913,12 +1110,11 @@ class Hub:
     def rank_connections(self) -> dict[int, _Conn]:
         """The connections of the current attempt's ranks that are up, by rank."""
         att = self.state.current
-        out: dict[int, _Conn] = {}
-        for conn in self._conns:
-            rs = conn.rank
-            if conn.role == "rank" and rs is not None and not conn.closing \
-                    and att is not None and att.ranks.get(rs.rank) is rs:
-                out[rs.rank] = conn
+        if att is None:
+            return {}
+        out = {rank: conn for (group, rank), conn in self._rank_conns.items()
+               if group == att.group and not conn.closing and conn.rank is not None
+               and att.ranks.get(rank) is conn.rank}
         return dict(sorted(out.items()))
 
     def last_step(self, rank: int) -> int:
@@ -943,6 +1139,42 @@ class Hub:
         times = [t for r, t in zip(cols.get("rank", []), cols.get("step_s", []), strict=False)
                  if r in wanted and isinstance(t, float) and math.isfinite(t) and t > 0]
         return max(times) if times else None
+
+    def probe_refusal(self, nbytes: int, ranks: Iterable[int]) -> str | None:
+        """Why a link probe of ``nbytes`` per transfer would take more of some rank's
+        free memory than a probe may (:func:`collectors.linkprobe.affordable`), judged
+        from the rank's latest samples: its GPU's free memory (NVML) where it trains on
+        a GPU, else the host's available memory shared by the node's ranks. None when
+        every rank can afford it, or nothing was measured. The rank checks again itself
+        before it allocates anything."""
+        from collectors.config import ProbeConfig
+        from collectors.linkprobe import affordable
+
+        share = ProbeConfig.from_env().probe_memory_share
+        state = self.state
+        wanted = list(ranks)
+        per_node: dict[str, int] = {}
+        for r in wanted:
+            per_node[self.node_of(r)] = per_node.get(self.node_of(r), 0) + 1
+        col = state.latest_index
+        for r in wanted:
+            rs = state.rank_state(r)
+            if rs is None or rs.slot is None:
+                continue
+            row = state.latest[rs.slot]
+            device = rs.mem_device or ""
+            if device.startswith("cuda"):
+                total, used = row[col["gpu_mem_total_bytes"]], row[col["gpu_mem_used_bytes"]]
+                free = None if math.isnan(total) or math.isnan(used) else int(total - used)
+                why = affordable(nbytes, free, share=share, where=device)
+            else:
+                avail = row[col["host_sys_mem_avail_bytes"]]
+                why = affordable(nbytes, None if math.isnan(avail) else int(avail),
+                                 sharing=per_node[rs.node], share=share,
+                                 where=f"host memory of {rs.node}")
+            if why is not None:
+                return f"rank {r}: {why}"
+        return None
 
     def profile_dir(self) -> str:
         """Where a profile's traces go by default (beside the recording)."""
@@ -1012,20 +1244,12 @@ class Hub:
     # ---- Prometheus ----------------------------------------------------------------------
 
     def _http_admit(self, conn: _Conn) -> bool:
-        """The connection speaks HTTP: within the HTTP limits, it is one of those now."""
-        cfg = self.cfg
+        """The connection speaks HTTP: it is one of those now, within the HTTP limits
+        (full: the oldest unfinished request goes, :meth:`_make_room`)."""
         self._release(conn)
-        if self._http_total >= cfg.max_http or \
-                self._http_by_addr.get(conn.addr, 0) >= cfg.max_http_per_addr:
-            self.counters["busy"] += 1
-            self._peer_log(conn.addr, "rtop hub: too many HTTP connections (%d, %d from "
-                           "%r); refused one", self._http_total,
-                           self._http_by_addr.get(conn.addr, 0), conn.addr)
-            conn.close()
-            return False
+        self._make_room(self._https, conn, "speaking HTTP")
         conn.role, conn.http_counted = "http", True
-        self._http_total += 1
-        self._http_by_addr[conn.addr] = self._http_by_addr.get(conn.addr, 0) + 1
+        self._https.add(conn)
         return True
 
     def _http(self, conn: _Conn) -> None:

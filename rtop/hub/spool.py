@@ -159,7 +159,7 @@ class SpoolIngest:
         except ProtocolError:
             return False
         group = RunState._group_of(ident)
-        for att in state.attempts:
+        for att in [*state.attempts, *state.pending.values()]:
             rs = att.ranks.get(ident.rank) if att.group == group else None
             if rs is not None:
                 # this hub's own rank came back; another process in its place is

@@ -138,6 +138,11 @@ MAX_NAME: Final = 255
 MAX_WORD: Final = 64
 MAX_NOTE: Final = 1024
 MAX_ERROR: Final = 4096
+#: Groups at most that may wait at once beside the current attempt (see
+#: :meth:`RunState.on_hello`); a hello for one more is refused.
+MAX_PENDING: Final = 4
+#: Groups that waited and left without taking over, kept for the report.
+MAX_STRAYS: Final = 8
 MAX_STACK: Final = 20000
 #: ``meta`` and the collector's info: entries of a map, items of a list, nesting.
 MAX_ENTRIES: Final = 64
@@ -509,10 +514,17 @@ class RunState:
         self.samples = Rings(SAMPLE_HISTORY, window_samples, first)
         self.latest = np.full((self.steps.slots, len(LATEST)), np.nan)
         self._latest_idx = {f: i for i, f in enumerate(LATEST)}
+        #: the column of each latest-sample figure in :attr:`latest`
+        self.latest_index = self._latest_idx
         self.lost_after_s = lost_after_s
         self.keep_attempts = keep_attempts
         self.recent_steps = recent_steps
         self.attempts: list[Attempt] = []
+        #: groups that said hello while another attempt ran, waiting to take over
+        #: (:meth:`_takes_over`), by group; their ranks hold windows meanwhile
+        self.pending: dict[str, Attempt] = {}
+        #: groups that waited and ended without taking over (a second job, a stray)
+        self.strays: deque[Attempt] = deque(maxlen=MAX_STRAYS)
         self._by_group: dict[str, Attempt] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -570,8 +582,17 @@ class RunState:
         """Whether one more rank can have a slot (see :meth:`_slot`)."""
         if self._free_slots or self._next_slot < self.max_ranks:
             return True
-        olds = self.attempts if new_attempt else self.attempts[:-1]
-        return any(rs.slot is not None for att in olds for rs in att.ranks.values())
+        return any(rs.slot is not None for att in self._spent(new_attempt)
+                   for rs in att.ranks.values())
+
+    def _spent(self, new_attempt: bool = True) -> list[Attempt]:
+        """Attempts whose windows may be given up for a new rank: the ended ones, and,
+        for a rank of a new group, the current one once none of its ranks is live (the
+        new group takes over from it)."""
+        cur = self.current
+        if new_attempt and cur is not None and not self._live(cur):
+            return list(self.attempts)
+        return self.attempts[:-1]
 
     def _reclaim(self, force: bool = False) -> None:
         """Free the windows of ended attempts' ranks once the current attempt needs more
@@ -580,7 +601,7 @@ class RunState:
         cur = self.current
         if not force and (cur is None or self._next_slot < self._slot_budget(cur)):
             return
-        for att in self.attempts[:-1]:
+        for att in (self._spent() if force else self.attempts[:-1]):
             for rs in att.ranks.values():
                 if rs.slot is not None:
                     rs.summary = self._summarise(rs)
@@ -599,12 +620,75 @@ class RunState:
         return ident.group or f"{ident.job}#{ident.attempt}"
 
     def _attempt_for(self, ident: Identity, t_hub: float) -> Attempt:
+        """The attempt of ``ident``'s group; a group not seen yet waits (``pending``)
+        until :meth:`_settle` finds it takes over."""
         group = self._group_of(ident)
         att = self._by_group.get(group)
         if att is not None:
             return att
-        number = max((a.number for a in self.attempts), default=-1) + 1
-        att = Attempt(number, group, ident.job, ident.world_size, t_hub)
+        if len(self.pending) >= MAX_PENDING:
+            raise ProtocolError(
+                f"{MAX_PENDING} groups already wait beside the running attempt; rank "
+                f"{ident.rank} of group {group!r} (job {ident.job!r}) refused")
+        att = Attempt(-1, group, ident.job, ident.world_size, t_hub)  # numbered once current
+        self.pending[group] = att
+        self._by_group[group] = att
+        # no room is made for the claimed world size: windows come as ranks do (_slot)
+        return att
+
+    def is_current(self, rs: RankState) -> bool:
+        """Whether ``rs`` is a rank of the current attempt."""
+        cur = self.current
+        return cur is not None and cur.ranks.get(rs.rank) is rs
+
+    @staticmethod
+    def _live(att: Attempt) -> list[RankState]:
+        return [rs for rs in att.ranks.values() if rs.status == "active" and rs.connected]
+
+    def _takes_over(self, att: Attempt) -> bool:
+        """Whether a waiting group is the job's new attempt, not a stray.
+
+        A new worker group takes over when the running one is over (none of its ranks
+        is active and connected: it ended, failed or was torn down), or when it is whole
+        (every rank of its world size connected) and either the running one is going
+        (a rank of it failed, left or was lost: a restart after a failure, same job) or
+        is smaller than it. So one stray hello, even as rank 0 of a world of 1, neither
+        hides a running job nor makes its ranks look lost.
+        """
+        cur = self.current
+        if cur is None:
+            return True
+        live = self._live(cur)
+        if not live:
+            return True
+        if len(self._live(att)) < att.world_size:
+            return False
+        going = len(live) < len(cur.ranks) or len(cur.ranks) < cur.world_size
+        return (going and att.job == cur.job) or att.world_size > len(live)
+
+    def _settle(self, t_hub: float) -> None:
+        """Let a waiting group take over, and end the waiting groups whose ranks are
+        all gone (kept as strays for the report, their windows given up)."""
+        for att in list(self.pending.values()):
+            if att.group in self.pending and self._takes_over(att):
+                self._promote(att)
+        for att in list(self.pending.values()):
+            if not self._live(att):
+                del self.pending[att.group]
+                self._by_group.pop(att.group, None)
+                for rs in att.ranks.values():
+                    if rs.slot is not None:
+                        rs.summary = self._summarise(rs)
+                        self._free_slots.append(rs.slot)
+                        rs.slot = None
+                self.strays.append(att)
+
+    def _promote(self, att: Attempt) -> None:
+        """A waiting group becomes the current attempt (the next number)."""
+        del self.pending[att.group]
+        att.number = max((a.number for a in self.attempts), default=-1) + 1
+        for rs in att.ranks.values():
+            rs.attempt = att.number
         for old in self.attempts:
             for rs in old.ranks.values():
                 # still running, or gone without a word (Ray Train tears the group down,
@@ -614,13 +698,10 @@ class RunState:
                 if rs.status in ("active", "lost"):
                     rs.status = "ended"
         self.attempts.append(att)
-        self._by_group[group] = att
         while len(self.attempts) > self.keep_attempts:
             gone = self.attempts.pop(0)
             del self._by_group[gone.group]
             self._free_slots += [rs.slot for rs in gone.ranks.values() if rs.slot is not None]
-        # no room is made for the claimed world size: windows come as ranks do (_slot)
-        return att
 
     @staticmethod
     def _slot_budget(att: Attempt) -> int:
@@ -755,6 +836,8 @@ class RunState:
         if collector is not None:
             rs.collector = collector
         att.world_size = max(att.world_size, ident.world_size)
+        if att.number < 0:
+            self._settle(t_hub)
         return rs
 
     def on_bye(self, rs: RankState, p: dict[str, Any], t_hub: float) -> None:
@@ -769,6 +852,8 @@ class RunState:
             rs.meta["error"] = error
         if dropped is not None:
             rs.dropped = dropped
+        if self.pending:
+            self._settle(t_hub)
 
     def on_batch(self, rs: RankState, p: dict[str, Any], t_hub: float,
                  history: bool = True) -> None:
@@ -886,6 +971,8 @@ class RunState:
             rs.lost_at = t_hub
             rs.lost_how = how
             rs.last_seen = min(rs.last_seen, t_hub)
+        if self.pending:
+            self._settle(t_hub)
 
     def tick(self, t_hub: float) -> list[RankState]:
         """Mark silent ranks lost; returns the ranks newly marked."""
@@ -897,6 +984,13 @@ class RunState:
                 rs.lost_at = rs.last_seen + self.lost_after_s
                 rs.lost_how = "silent"
                 newly.append(rs)
+        for att in list(self.pending.values()):
+            for rs in att.ranks.values():
+                if rs.status == "active" and t_hub - rs.last_seen > self.lost_after_s:
+                    rs.status, rs.lost_how = "lost", "silent"
+                    rs.lost_at = rs.last_seen + self.lost_after_s
+        if self.pending:
+            self._settle(t_hub)
         return newly
 
     # ---- the link probe -----------------------------------------------------------
