@@ -295,31 +295,44 @@ class Control:
             reps = 3
         if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 600:
             timeout_s = 30.0
+        device = None
         if any(rounds):  # this rank allocates buffers: refused here if it cannot afford them
             device, sharing = self._probe_device()
             check_affordable(nbytes, device, sharing=sharing,
                              share=self._p.config.probe_memory_share)
-        # the same message tags on every rank (from the hub's action id), so nothing a
-        # failed probe left behind can be taken for this one's
-        return LinkProbe(rank, rounds, nbytes, on_done, reps=reps,
+        # the same message tags and store keys on every rank (from the hub's action id),
+        # so nothing a failed probe left behind can be taken for this one's
+        return LinkProbe(rank, rounds, nbytes, on_done, reps=reps, device=device,
                          timeout_s=float(timeout_s), probe_id=zlib.crc32(action_id.encode()))
 
     def _probe_device(self) -> tuple[Any, int]:
-        """The device a probe will allocate its buffers on (as
-        :meth:`collectors.linkprobe.LinkProbe._device` picks it on the training thread:
-        the training thread's CUDA device under NCCL, else the CPU), and how many ranks
-        allocate from that same memory at once (this node's ranks, ``LOCAL_WORLD_SIZE``,
-        for host memory; 1 for a GPU)."""
+        """The device a probe allocates its buffers on and sends from, handed to the
+        :class:`~collectors.linkprobe.LinkProbe`: under NCCL, the GPU the model lives on
+        (:func:`collectors.linkprobe.cuda_probe_index`: never ``cuda:0`` merely because
+        that is current in a job that never calls ``set_device``; refused when it
+        cannot be told), else the CPU; and how many ranks allocate from that same memory
+        at once (this node's ranks, ``LOCAL_WORLD_SIZE``, for host memory; 1 for a
+        GPU)."""
         import torch
         import torch.distributed as dist
 
+        from collectors.cuda_events import cuda_module
+        from collectors.linkprobe import cuda_probe_index
+
         backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() \
             else ""
-        if "nccl" in backend.lower() and torch.cuda.is_available():
-            index = self._p.cuda_device  # the training thread's, once it said
-            if index is None and self._p.memory.device.startswith("cuda:"):
-                index = int(self._p.memory.device.split(":")[1])
-            return torch.device("cuda", index if index is not None
-                                else torch.cuda.current_device()), 1
+        cuda = cuda_module()
+        if "nccl" in backend.lower() and cuda.is_available():
+            p = self._p
+            model = p.cuda.device if p.cuda is not None else None
+            if model is None and p.memory.device.startswith("cuda:"):
+                model = int(p.memory.device.split(":")[1])
+            bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id",
+                            None)
+            index = cuda_probe_index(
+                model=model, bound=None if bound is None else bound.index,
+                devices=int(cuda.device_count()), thread=p.cuda_device,
+                local_rank=os.environ.get("LOCAL_RANK"))
+            return torch.device("cuda", index), 1
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         return torch.device("cpu"), int(local) if local.isdigit() and int(local) > 0 else 1

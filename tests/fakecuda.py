@@ -174,3 +174,605 @@ class FakeCuda:
                 raise AssertionError("rtop must never synchronize")
 
         return Event
+
+
+# ---- the link probe's runtime: NCCL point-to-point between ranks -----------------------
+#
+# :class:`FakeLinkJob` is a job of ranks (threads of one test process), each with its
+# own GPUs (:class:`FakeLinkGpu`, standing for ``torch.cuda``), its own
+# ``torch.distributed`` (:class:`FakeLinkDist`: an initialised NCCL job whose
+# ``ProcessGroupNCCL`` is faked) and its own allocator (:class:`FakeLinkTorch`), sharing
+# one real store (a ``HashStore``). :meth:`FakeLinkJob.runtime` is what a
+# ``collectors.linkprobe.LinkProbe`` takes as its ``runtime``. The rules it encodes are
+# CUDA's and NCCL's (ProcessGroupNCCL.cpp, the NCCL and CUDA runtime guides), not rtop's:
+#
+# * NCCL matches the point-to-point operations of a communicator in order, per
+#   direction, and ignores tags: the k-th send from a to b meets the k-th receive at b
+#   from a; the two must carry the same number of bytes.
+# * **A send or receive posted on one rank never completes unless the peer posts the
+#   matching operation.** Nothing cancels it but aborting its communicator
+#   (``ProcessGroupNCCL.abort()``: ``ncclCommAbort``); an operation still posted when
+#   the test ends is one NCCL's watchdog would tear the process down for
+#   (:meth:`FakeLinkJob.left_posted`).
+# * **The first operation between the ranks of a process group creates their
+#   communicator inside the call** (``ncclCommInitRank``, collective over both ranks):
+#   the lower rank puts the unique id in the group's store (key ``"0:1"``), the other
+#   reads it (a blocking ``get``), and the call blocks the host until the peer's first
+#   operation has joined too. A communicator holds device memory until its process group
+#   is shut down or aborted (:meth:`FakeLinkJob.live`); shutting one down with an
+#   operation of its own still posted blocks in ``ncclCommFinalize`` (recorded in
+#   :attr:`FakeLinkJob.problems`).
+# * GPU time: an operation runs on its group's NCCL stream for its device, after
+#   everything already on that stream and after the work the caller's *current* stream
+#   had when it was posted (ProcessGroupNCCL's ``syncStream``). A transfer starts when
+#   both its operations have started and takes ``latency_s + bytes / bandwidth``.
+#   ``work.block_current_stream()`` (and ``wait()`` without a timeout) makes the
+#   caller's current stream wait for it, not the host; ``wait(timeout)`` blocks the host.
+# * An event recorded on a stream completes when the stream gets there, with the GPU
+#   time then; ``elapsed_time`` between two completed events is that GPU time (ms) and
+#   raises on an incomplete one (``cudaErrorNotReady``).
+# * **Host timing includes launch and poll overhead of at least 100 µs; CUDA events
+#   measure the transfer**: the host sees a completion (``is_completed``, ``query``)
+#   ``host_lag_s`` (default 300 µs) after the GPU finished it.
+# * ``torch.cuda.current_device()`` is 0 on a thread that never called ``set_device``;
+#   a CUDA context opens on a device at the first call that needs one there
+#   (``set_device`` / entering ``torch.cuda.device``, making a stream, allocating,
+#   recording an event on a stream of it, an NCCL operation on it, and ``cudaEventQuery``
+#   on the calling thread's *current* device): :meth:`FakeLinkGpu.contexts`.
+# * The job's own group (``dist.isend`` / ``irecv`` here) is counted in
+#   :attr:`FakeLinkJob.job_ops`: under NCCL the probe has no business posting there.
+
+import contextlib as _contextlib  # noqa: E402
+import math as _math  # noqa: E402
+import time as _time  # noqa: E402
+import weakref as _weakref  # noqa: E402
+from collections.abc import Callable as _Callable  # noqa: E402
+from collections.abc import Iterator as _Iterator  # noqa: E402
+from datetime import timedelta as _timedelta  # noqa: E402
+
+
+class _GpuTime:
+    """A point of GPU time (host ``perf_counter`` seconds) that may not be known yet:
+    the latest of ``base`` and its ``deps``, plus ``plus``; None while a dependency is
+    unknown (a transfer whose peer has not posted)."""
+
+    __slots__ = ("_t", "base", "deps", "plus")
+
+    def __init__(self, base: float = -_math.inf, deps: tuple[Any, ...] = (),
+                 plus: float = 0.0) -> None:
+        self.base = base
+        self.deps = deps
+        self.plus = plus
+        self._t: float | None = None
+
+    def time(self) -> float | None:
+        if self._t is not None:
+            return self._t
+        t = self.base
+        for dep in self.deps:
+            d = dep.time()
+            if d is None:
+                return None
+            t = max(t, d)
+        self._t = t + self.plus
+        self.deps = ()
+        return self._t
+
+
+class _Never(_GpuTime):
+    """The end of an operation whose peer has not posted its half."""
+
+    def time(self) -> float | None:
+        return None
+
+
+class _LinkStream:
+    """A CUDA stream of one device: its work in order (``last``: when it gets through
+    what is on it so far)."""
+
+    def __init__(self, gpu: FakeLinkGpu, device: int, name: str) -> None:
+        self.gpu = gpu
+        self.device = device
+        self.device_index = device
+        self.name = name
+        self.last: _GpuTime = _GpuTime()
+        #: operations it was made to wait for (``block_current_stream``)
+        self.waits = 0
+
+    def __repr__(self) -> str:
+        return f"<stream {self.name} of cuda:{self.device}, rank {self.gpu.rank}>"
+
+
+class FakeLinkGpu:
+    """``torch.cuda`` of one rank of a :class:`FakeLinkJob` (see the rules above)."""
+
+    def __init__(self, job: FakeLinkJob, rank: int, devices: int) -> None:
+        self.job = job
+        self.rank = rank
+        self.devices = devices
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self._contexts: dict[int, list[str]] = {}
+        self.default = [_LinkStream(self, d, "default") for d in range(devices)]
+        self.streams: list[_LinkStream] = []
+        #: bytes allocated on each device now, and at most
+        self.allocated = [0] * devices
+        self.peak = [0] * devices
+        gpu = self
+
+        class Event:
+            """``torch.cuda.Event``."""
+
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.enable_timing = enable_timing
+                self.node: _GpuTime | None = None
+
+            def record(self, stream: _LinkStream | None = None) -> None:
+                s = stream if stream is not None else gpu.current_stream()
+                gpu._context(s.device, "event record")
+                self.node = _GpuTime(_time.perf_counter(), (s.last,))
+                s.last = self.node
+
+            def query(self) -> bool:
+                gpu._context(gpu.current_device(), "event query")
+                return self.node is None or gpu.job._seen(self.node.time())
+
+            def elapsed_time(self, end: Event) -> float:
+                gpu._context(gpu.current_device(), "elapsed_time")
+                if self.node is None or end.node is None or not (self.query()
+                                                                 and end.query()):
+                    raise RuntimeError("CUDA error: device not ready")
+                a, b = self.node.time(), end.node.time()
+                assert a is not None and b is not None
+                return (b - a) * 1000.0
+
+        self.Event = Event
+
+    # ---- torch.cuda ------------------------------------------------------------------
+
+    def is_available(self) -> bool:
+        return self.devices > 0
+
+    def device_count(self) -> int:
+        return self.devices
+
+    def current_device(self) -> int:
+        return int(getattr(self._tls, "device", 0))
+
+    def set_device(self, device: int) -> None:
+        self._context(device, "set_device")
+        self._tls.device = device
+
+    @_contextlib.contextmanager
+    def device(self, device: int) -> _Iterator[None]:
+        before = self.current_device()
+        self.set_device(int(device))
+        try:
+            yield
+        finally:
+            self._tls.device = before
+
+    def Stream(self, device: Any = None, priority: int = 0) -> _LinkStream:
+        index = self._index(device)
+        self._context(index, "stream")
+        s = _LinkStream(self, index, f"side{len(self.streams) + 1}")
+        self.streams.append(s)
+        return s
+
+    def current_stream(self, device: Any = None) -> _LinkStream:
+        index = self._index(device)
+        return getattr(self._tls, "streams", {}).get(index, self.default[index])
+
+    @_contextlib.contextmanager
+    def stream(self, stream: _LinkStream) -> _Iterator[None]:
+        """``torch.cuda.stream(s)``: ``s`` current (and its device, as torch's
+        ``StreamContext`` does) inside the block."""
+        streams = self._tls.__dict__.setdefault("streams", {})
+        before = streams.get(stream.device)
+        with self.device(stream.device):
+            streams[stream.device] = stream
+            try:
+                yield
+            finally:
+                if before is None:
+                    streams.pop(stream.device, None)
+                else:
+                    streams[stream.device] = before
+
+    # ---- what a test reads -----------------------------------------------------------
+
+    def contexts(self) -> set[int]:
+        """Devices on which this rank opened a CUDA context."""
+        with self._lock:
+            return set(self._contexts)
+
+    def why(self, device: int) -> list[str]:
+        with self._lock:
+            return list(self._contexts.get(device, []))
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _index(self, device: Any) -> int:
+        if device is None:
+            return self.current_device()
+        if isinstance(device, int):
+            return device
+        index = getattr(device, "index", None)
+        return self.current_device() if index is None else int(index)
+
+    def _context(self, device: int, why: str) -> None:
+        if not 0 <= device < self.devices:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {device}")
+        with self._lock:
+            self._contexts.setdefault(device, []).append(why)
+
+    def _alloc(self, device: int, nbytes: int) -> None:
+        self._context(device, "allocation")
+        with self._lock:
+            self.allocated[device] += nbytes
+            self.peak[device] = max(self.peak[device], self.allocated[device])
+
+    def _free(self, device: int, nbytes: int) -> None:
+        with self._lock:
+            self.allocated[device] -= nbytes
+
+
+class FakeLinkTorch:
+    """The part of ``torch`` a probe allocates with: tensors asked for on ``cuda:N`` are
+    CPU tensors counted on that device of the rank's :class:`FakeLinkGpu` until freed."""
+
+    def __init__(self, gpu: FakeLinkGpu) -> None:
+        import torch
+
+        self._torch = torch
+        self.gpu = gpu
+        self.uint8 = torch.uint8
+        self.device = torch.device
+        self._where: dict[int, tuple[Any, int]] = {}
+
+    def full(self, size: Any, fill: Any, *, dtype: Any = None, device: Any = None) -> Any:
+        t = self._torch.full(size, fill, dtype=dtype)
+        d = self._torch.device(device if device is not None else "cpu")
+        if d.type == "cuda":
+            index = self.gpu._index(d)
+            nbytes = t.numel() * t.element_size()
+            self.gpu._alloc(index, nbytes)
+            _weakref.finalize(t, self.gpu._free, index, nbytes)
+            self._where[id(t)] = (_weakref.ref(t), index)
+        return t
+
+    def device_of(self, tensor: Any) -> int | None:
+        """The CUDA device a tensor stands for (None: a CPU tensor)."""
+        found = self._where.get(id(tensor))
+        if found is None or found[0]() is not tensor:
+            return None
+        return found[1]
+
+
+class _LinkOp:
+    """One send or receive posted on a communicator."""
+
+    def __init__(self, rank: int, kind: str, peer: int, tensor: Any, device: int,
+                 start: _GpuTime, comm: _LinkComm) -> None:
+        self.rank = rank
+        self.kind = kind
+        self.peer = peer
+        self.tensor = tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.device = device
+        self.start = start
+        self.end: _GpuTime = _Never()
+        self.comm = comm
+        #: the rank's rank in the communicator's group
+        self.rank_group = -1
+        self.matched = False
+        self.aborted = False
+
+    def __repr__(self) -> str:
+        return (f"<{self.kind} of {self.nbytes} B by rank {self.rank} to/from rank "
+                f"{self.peer}{' (aborted)' if self.aborted else ''}>")
+
+
+class _LinkComm:
+    """A communicator between the ranks of one fake ProcessGroupNCCL (by its unique id)."""
+
+    def __init__(self, uid: str, size: int) -> None:
+        self.uid = uid
+        self.size = size
+        self.joined: dict[int, Any] = {}  # group rank -> its process group
+        self.freed: set[int] = set()
+        self.sends: dict[tuple[int, int], list[_LinkOp]] = {}
+        self.recvs: dict[tuple[int, int], list[_LinkOp]] = {}
+
+
+class FakeLinkWork:
+    """``Work`` of a fake NCCL point-to-point operation."""
+
+    def __init__(self, op: _LinkOp, gpu: FakeLinkGpu) -> None:
+        self.op = op
+        self.gpu = gpu
+
+    def is_completed(self) -> bool:
+        return self.op.aborted or self.gpu.job._seen(self.op.end.time())
+
+    def block_current_stream(self) -> None:
+        s = self.gpu.current_stream(self.op.device)
+        s.last = _GpuTime(deps=(s.last, _Follow(self.op)))
+        s.waits += 1
+
+    def synchronize(self) -> None:
+        self.block_current_stream()
+
+    def wait(self, timeout: _timedelta | None = None) -> bool:
+        if timeout is None or timeout.total_seconds() <= 0:
+            self.block_current_stream()
+            return True
+        deadline = _time.monotonic() + timeout.total_seconds()
+        while not self.is_completed():  # the host blocks
+            if _time.monotonic() > deadline:
+                raise RuntimeError(f"Work timed out after {timeout}")
+            _time.sleep(1e-4)
+        return True
+
+    def exception(self) -> Any:
+        return RuntimeError("aborted") if self.op.aborted else None
+
+
+class FakeLinkJob:
+    """A job of ``ranks`` ranks over fake NCCL (see the rules above). ``bandwidth_Bps``
+    is every link's (``links`` overrides a pair's: ``{(a, b): Bps}``)."""
+
+    def __init__(self, ranks: int = 2, *, bandwidth_Bps: float = 2e9,
+                 latency_s: float = 5e-6, host_lag_s: float = 300e-6,
+                 init_cap_s: float = 10.0) -> None:
+        import torch.distributed as dist
+
+        self.ranks = ranks
+        self.bandwidth_Bps = bandwidth_Bps
+        self.links: dict[tuple[int, int], float] = {}
+        self.latency_s = latency_s
+        self.host_lag_s = host_lag_s
+        self.init_cap_s = init_cap_s
+        self.store = dist.HashStore()
+        self.store.set_timeout(_timedelta(seconds=init_cap_s))
+        self._cond = threading.Condition()
+        self._comms: dict[str, _LinkComm] = {}
+        self._uids = 0
+        #: every operation posted on a probe-made process group
+        self.ops: list[_LinkOp] = []
+        #: operations posted on the job's own group
+        self.job_ops = 0
+        #: what a real run would have hung or failed on
+        self.problems: list[str] = []
+        #: communicators alive per rank now, and the most at once
+        self._live = [0] * ranks
+        self.max_live = [0] * ranks
+        self.groups_made = [0] * ranks
+        self.gpus: dict[int, FakeLinkGpu] = {}
+        #: a test's hook, called on the posting thread after each operation is posted
+        self.on_post: _Callable[[_LinkOp], None] | None = None
+
+    def runtime(self, rank: int, *, devices: int = 2, bound: int | None = None) -> Any:
+        """The ``runtime`` of rank ``rank``'s probe: ``torch``, ``torch.distributed`` and
+        ``torch.cuda`` of a process with ``devices`` GPUs (``bound``: the device its
+        default group was initialised with)."""
+        gpu = self.gpus.setdefault(rank, FakeLinkGpu(self, rank, devices))
+        torch_ = FakeLinkTorch(gpu)
+        return SimpleNamespace(torch=torch_, dist=FakeLinkDist(self, rank, gpu, torch_,
+                                                               bound), cuda=gpu)
+
+    # ---- what a test reads -----------------------------------------------------------
+
+    def live(self, rank: int) -> int:
+        """Communicators of probe-made process groups alive on ``rank``."""
+        with self._cond:
+            return self._live[rank]
+
+    def left_posted(self) -> list[_LinkOp]:
+        """Operations posted that neither completed nor were aborted: NCCL's watchdog
+        would tear their process down once the group's timeout passed."""
+        with self._cond:
+            return [op for op in self.ops if not op.aborted and op.end.time() is None]
+
+    def aborted(self) -> list[_LinkOp]:
+        with self._cond:
+            return [op for op in self.ops if op.aborted]
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _seen(self, t: float | None) -> bool:
+        """The host sees what the GPU finished at ``t`` ``host_lag_s`` later."""
+        return t is not None and _time.perf_counter() >= t + self.host_lag_s
+
+    def _join(self, uid: str, size: int, group_rank: int, pg: Any) -> _LinkComm:
+        deadline = _time.monotonic() + self.init_cap_s
+        with self._cond:
+            comm = self._comms.setdefault(uid, _LinkComm(uid, size))
+            comm.joined[group_rank] = pg
+            self._cond.notify_all()
+            while len(comm.joined) < size:
+                left = deadline - _time.monotonic()
+                if left <= 0:
+                    self.problems.append(f"rank {pg.global_rank} blocked in ncclCommInitRank "
+                                         f"for {self.init_cap_s} s: its peer never joined")
+                    raise RuntimeError("fake NCCL: blocked in ncclCommInitRank (a real "
+                                       "process hangs here)")
+                self._cond.wait(left)
+            r = pg.global_rank
+            self._live[r] += 1
+            self.max_live[r] = max(self.max_live[r], self._live[r])
+            return comm
+
+    def _free(self, comm: _LinkComm, pg: Any) -> None:
+        with self._cond:
+            if pg.group_rank not in comm.freed:
+                comm.freed.add(pg.group_rank)
+                self._live[pg.global_rank] -= 1
+
+    def _post(self, op: _LinkOp) -> None:
+        with self._cond:
+            self.ops.append(op)
+            comm = op.comm
+            if op.kind == "send":  # by ranks of the group
+                key = (op.rank_group, op.peer)
+                mine, theirs = comm.sends.setdefault(key, []), comm.recvs.setdefault(key, [])
+            else:
+                key = (op.peer, op.rank_group)
+                mine, theirs = comm.recvs.setdefault(key, []), comm.sends.setdefault(key, [])
+            mine.append(op)
+            k = len(mine) - 1
+            # an operation meets its counterpart only while the counterpart's rank still
+            # has the communicator: one posted to a peer that aborted never completes
+            if k < len(theirs) and not theirs[k].aborted \
+                    and theirs[k].rank_group not in comm.freed:
+                self._match(op, theirs[k])
+        if self.on_post is not None:
+            self.on_post(op)
+
+    def _match(self, a: _LinkOp, b: _LinkOp) -> None:
+        send, recv = (a, b) if a.kind == "send" else (b, a)
+        if send.nbytes != recv.nbytes:
+            self.problems.append(f"a send of {send.nbytes} B met a receive of {recv.nbytes} B")
+        else:
+            recv.tensor.copy_(send.tensor)
+        lo, hi = sorted((send.rank, recv.rank))
+        bw = self.links.get((lo, hi), self.bandwidth_Bps)
+        took = self.latency_s + send.nbytes / bw
+        for op in (send, recv):
+            op.end = _GpuTime(deps=(send.start, recv.start), plus=took)
+            op.matched = True
+
+
+class FakeLinkDist:
+    """``torch.distributed`` of one rank of a :class:`FakeLinkJob`: initialised, backend
+    NCCL, the job's store; ``ProcessGroupNCCL`` made on its GPUs."""
+
+    def __init__(self, job: FakeLinkJob, rank: int, gpu: FakeLinkGpu,
+                 torch_: FakeLinkTorch, bound: int | None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.job = job
+        self.rank = rank
+        self.PrefixStore = dist.PrefixStore
+        self.group = SimpleNamespace(WORLD=object())
+        bound_device = None if bound is None else torch.device("cuda", bound)
+        self.distributed_c10d = SimpleNamespace(
+            _get_default_store=lambda: job.store,
+            _get_default_group=lambda: SimpleNamespace(bound_device_id=bound_device))
+        self.ProcessGroupNCCL = _pg_class(job, rank, gpu, torch_)
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_backend(self, group: Any = None) -> str:
+        return "nccl"
+
+    def get_rank(self, group: Any = None) -> int:
+        return self.rank
+
+    def get_world_size(self, group: Any = None) -> int:
+        return self.job.ranks
+
+    def get_global_rank(self, group: Any, rank: int) -> int:
+        return rank
+
+    def isend(self, *args: Any, **kwargs: Any) -> Any:
+        self.job.job_ops += 1
+        raise RuntimeError("fake NCCL: the probe posted on the job's own group")
+
+    irecv = isend
+
+
+def _pg_class(job: FakeLinkJob, global_rank: int, gpu: FakeLinkGpu,
+              torch_: FakeLinkTorch) -> type:
+    class ProcessGroupNCCL:
+        """A fake ``torch.distributed.ProcessGroupNCCL`` (a backend) of one rank."""
+
+        class Options:
+            def __init__(self, is_high_priority_stream: bool = False) -> None:
+                self.is_high_priority_stream = is_high_priority_stream
+                self._timeout = _timedelta(minutes=10)
+                self.config = SimpleNamespace(blocking=1)
+
+        def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
+            self.store = store
+            self.group_rank = rank
+            self.global_rank = global_rank
+            self.size = size
+            self.options = options
+            self.comm: _LinkComm | None = None
+            self.state = "open"
+            self._nccl_streams: dict[int, _LinkStream] = {}
+            job.groups_made[global_rank] += 1
+
+        def rank(self) -> int:
+            return self.group_rank
+
+        def send(self, tensors: list[Any], dst: int, tag: int = 0) -> FakeLinkWork:
+            return self._op("send", tensors[0], dst)
+
+        def recv(self, tensors: list[Any], src: int, tag: int = 0) -> FakeLinkWork:
+            return self._op("recv", tensors[0], src)
+
+        def shutdown(self) -> None:
+            if self.comm is not None:
+                mine = [op for op in job.ops if op.comm is self.comm and op.rank ==
+                        self.global_rank and not op.aborted and op.end.time() is None]
+                if mine:
+                    job.problems.append(f"rank {self.global_rank} shut a group down with "
+                                        f"{len(mine)} operations posted: ncclCommFinalize "
+                                        "blocks")
+                job._free(self.comm, self)
+            self.state = "shut down"
+
+        def abort(self) -> None:
+            if self.comm is not None:
+                with job._cond:
+                    for op in job.ops:
+                        if op.comm is self.comm and op.rank == self.global_rank \
+                                and op.end.time() is None:
+                            op.aborted = True
+                job._free(self.comm, self)
+            self.state = "aborted"
+
+        def _op(self, kind: str, tensor: Any, peer: int) -> FakeLinkWork:
+            if self.state != "open":
+                raise RuntimeError(f"fake NCCL: the process group was {self.state}")
+            device = torch_.device_of(tensor)
+            if device is None:
+                raise ValueError("Tensors must be CUDA and dense")
+            if self.comm is None:  # ncclCommInitRank, inside the first operation
+                if self.group_rank == 0:
+                    job._uids += 1
+                    uid = f"uid{job._uids}"
+                    self.store.set("0:1", uid)
+                else:
+                    uid = self.store.get("0:1").decode()
+                gpu._context(device, "ncclCommInitRank")
+                self.comm = job._join(uid, self.size, self.group_rank, self)
+            gpu._context(device, f"nccl {kind}")
+            nccl = self._nccl_streams.setdefault(device, _LinkStream(gpu, device, "nccl"))
+            current = gpu.current_stream(device)
+            start = _GpuTime(_time.perf_counter(), (nccl.last, current.last))
+            op = _LinkOp(self.global_rank, kind, peer, tensor, device, start, self.comm)
+            op.rank_group = self.group_rank
+            nccl.last = _Follow(op)  # its end is known once the peer posts
+            job._post(op)
+            return FakeLinkWork(op, gpu)
+
+    return ProcessGroupNCCL
+
+
+class _Follow(_GpuTime):
+    """When an operation ends (its ``end`` is set once its peer posts)."""
+
+    def __init__(self, op: _LinkOp) -> None:
+        super().__init__()
+        self.op = op
+
+    def time(self) -> float | None:
+        return self.op.end.time()

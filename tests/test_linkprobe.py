@@ -1,6 +1,7 @@
 """The link probe: its plan, real gloo jobs probing their links at a common step (one
-with a rank SIGKILLed in the middle), the verdict on matrices of real measurements,
-the run state, the snapshot, the slow_link detector and the CLI's text."""
+with a rank SIGKILLed in the middle, one cancelled in the middle), the verdict on
+matrices of real measurements, the run state, the snapshot, the slow_link detector and
+the CLI's text."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from collectors import wire
-from collectors.linkprobe import LinkProbe, circle, plan, schedule
+from collectors.linkprobe import _ABANDONED, LinkProbe, circle, plan, schedule
 from rtop.actions.probe import format_text
 from rtop.analysis import AnalysisConfig, Monitor
 from rtop.analysis import detectors as d
@@ -143,7 +144,11 @@ class DiesInRound(LinkProbe):
 
 def job(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -> None:
     """A rank of a small DDP job on gloo that runs the link probe at the boundary
-    before step ``probe_at`` (the same on every rank), then trains on."""
+    before step ``probe_at`` (the same on every rank), then trains on. ``cancel``:
+    ``{"rank", "after_s"}``, that rank's probe is aborted (as the hub's cancel does, from
+    another thread) that long after it started."""
+    import threading
+
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -166,10 +171,16 @@ def job(rank: int, world: int, port: int, spec: dict[str, Any], q: Any) -> None:
     try:
         for step in range(spec["steps"]):
             if step >= spec["probe_at"] and not done:  # the boundary before this step
+                cancel = spec.get("cancel")
+                if cancel and cancel["rank"] == rank:
+                    threading.Timer(cancel["after_s"], action.abort,
+                                    args=("cancelled by the hub",)).start()
                 t0 = time.monotonic()
                 done = action.at_boundary(step)
                 out["probe_s"] = time.monotonic() - t0
                 out["probed_at"] = step
+                # transfers it left unfinished (kept referenced, never waited for)
+                out["abandoned"] = len(_ABANDONED)
                 q.put({**out, "answers": answers})
             loss = model(x).square().mean()
             loss.backward()
@@ -293,6 +304,27 @@ def test_a_rank_that_never_joins_costs_its_peers_one_timeout_and_the_job_goes_on
         # one timeout (its pair with rank 3, or with a peer that gave up on rank 3)
         assert at_probe[r]["probe_s"] < 2 * timeout_s + 3.0, at_probe[r]
     assert {at_probe[r]["answers"][0]["peer"] for r in (0, 1, 2)} & {3}
+
+
+def test_a_cancel_mid_probe_leaves_nothing_posted_and_the_peer_learns_at_once():
+    """The hub cancels rank 0 in the middle of a real 2-rank gloo probe: rank 0 answers
+    the cancel at once, carries the transfer under way to its end and stops at the next
+    agreement, where rank 1 learns it (long before its 20 s timeout); neither rank leaves
+    a transfer unfinished, and the job trains on. Before: rank 0 stopped polling with its
+    receive posted (left unfinished), and rank 1 waited out its whole timeout for a
+    message that never came."""
+    timeout_s = 20.0
+    spec = {"nodes": ["host"] * 2, "nbytes": 32 << 20, "reps": 20, "timeout_s": timeout_s,
+            "steps": 5, "probe_at": 2, "cancel": {"rank": 0, "after_s": 0.2}}
+    at_probe, at_end, procs = run_job(2, spec, timeout=90.0)
+    assert sorted(at_end) == [0, 1] and all(p.exitcode == 0 for p in procs)
+    assert all(at_end[r]["job_error"] is None for r in (0, 1)), at_end
+    assert at_probe[0]["answers"] == [{"rank": 0, "error": "cancelled by the hub"}], \
+        at_probe[0]  # (a probe that ended before the cancel would have answered links)
+    (a1,) = at_probe[1]["answers"]
+    assert a1["peer"] == 0 and "rank 0 is not coming" in a1["error"], a1
+    assert at_probe[1]["probe_s"] < timeout_s / 4, at_probe[1]
+    assert at_probe[0]["abandoned"] == 0 and at_probe[1]["abandoned"] == 0, at_probe
 
 
 def test_an_aborted_probe_answers_once_and_runs_nothing():
