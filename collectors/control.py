@@ -264,7 +264,10 @@ class Control:
                 or not 1 <= steps <= MAX_PROFILE_STEPS:
             raise ValueError(f"a profile needs 1 to {MAX_PROFILE_STEPS} steps")
         rank = self._p.identity.rank
-        return ProfileCapture(out_dir, f"rank{rank}", steps, rank, on_done)
+        # started and stopped with the model's GPU current (not GPU 0 of a job that never
+        # calls set_device: collectors.profiler, "The model's GPU")
+        return ProfileCapture(out_dir, f"rank{rank}", steps, rank, on_done,
+                              device=self._p.model_device())
 
     def _probe(self, action_id: str, args: dict[str, Any],
                on_done: Callable[[dict[str, Any]], None]) -> TrainingAction:

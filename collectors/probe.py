@@ -526,6 +526,20 @@ class Probe:
         self.cuda = None
         self._fault("cuda.record", why)
 
+    def model_device(self) -> int | None:
+        """The CUDA device index the watched model lives on (its event pool's, else the
+        memory sampler's), or None when no watched model is on a GPU."""
+        pool = self.cuda
+        if pool is not None and pool.device is not None:
+            return int(pool.device)
+        device = self.memory.device
+        if device.startswith("cuda:"):
+            try:
+                return int(device.split(":")[1])
+            except ValueError:
+                return None
+        return None
+
     def _answer_device(self) -> None:
         """On the training thread: note its current CUDA device for the sender."""
         self.device_wanted = False

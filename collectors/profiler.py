@@ -30,7 +30,16 @@ events: measured here, about 330 bytes of resident memory per event while it cap
 52 MB of trace, +0.9 GB resident). So a capture stops early, at a step boundary, once the
 rank's resident memory has grown by more than :data:`MAX_CAPTURE_GROWTH_BYTES` since it
 started (some 50,000 events: about 14 MB of trace and 250 MB at the end), and its answer
-says so (``note``); steps are at most ``collectors.control.MAX_PROFILE_STEPS``. Once the
+says so (``note``); steps are at most ``collectors.control.MAX_PROFILE_STEPS``. With CUDA
+activity each launched kernel adds its runtime call and the kernel itself to the trace
+beside the operator that launched it, kept in CUPTI's activity buffers rather than in
+the memory the bound watches: such a capture is refused beyond
+:data:`MAX_CUDA_PROFILE_STEPS` steps (a clear error, nothing started) and stops at half
+the growth (:data:`MAX_CAPTURE_GROWTH_BYTES_CUDA`). The work at the end is bounded too:
+torch's parsing of the events stops after :data:`SUMMARY_TIMEOUT_S` (where this torch
+can: ``post_processing_timeout_s``) and the summary reads at most
+:data:`MAX_SUMMARY_EVENTS` events within the same time; a summary made from part of the
+events says so in ``note``. Once the
 answer is made, everything the capture held is let go: the profiler and its results are
 dropped, cycles collected (``gc.collect``) and, with glibc, the freed heap handed back
 to the system (``malloc_trim``), so the rank's resident memory returns to about where it
@@ -57,7 +66,13 @@ clipped to that window):
   operator). So ``compute_s + comm_s - overlap_s + idle_s == wall_s``.
 * With a GPU (``timeline: "gpu"``) the same split is made over the GPU's activity
   instead, as HTA does: ``comm`` is the NCCL kernels (``nccl*``), ``compute`` every
-  other kernel, memcpy and memset, ``idle`` the time the GPU ran none of them.
+  other kernel, memcpy and memset, ``idle`` the time the GPU ran none of them. The
+  window is then the GPU's own: from the start of the first ``ProfilerStep#N`` on the
+  GPU timeline (kineto's GPU-side annotation, which spans the kernels the step
+  launched) to the end of the last, or, where the trace has none, from the first
+  kernel to the last. Never the CPU's steps: the GPU runs behind the host, so the
+  CPU's window would drop the kernels that lag and count as idle the time before the
+  first step's kernels began.
 
 ``top_ops`` ranks operators by self time: self CUDA time on the GPU timeline, else self
 CPU time (time in the operator, not in the operators it called).
@@ -72,6 +87,15 @@ start, the capture is refused: torch keeps one profiler per process, and a secon
 as far as torch knows, and if its schedule turns it on during rtop's capture, torch
 refuses *that* start; and a profiler the user starts during rtop's capture is refused
 by torch in the same way.
+
+**The model's GPU.** With CUDA activity, torch's profiler synchronises the *current*
+device when it stops (``torch/autograd/profiler.py``: ``device_module.synchronize()``):
+in a job that never calls ``torch.cuda.set_device`` the training thread's current device
+is GPU 0 whatever GPU its model is on, so every rank would open a CUDA context on GPU 0.
+The profiler is started and stopped with the model's device current
+(``torch.cuda.device(device)``, which gives the previous device back without opening a
+context there). If stopping fails (a CUDA error in that synchronise), the profiler is
+switched off all the same: rtop never leaves its profiler running.
 
 **Threads.** ``torch.profiler`` must be stopped on the thread that started it, so
 :meth:`~ProfileCapture.abort` from another thread (the hub cancelled, from the sender
@@ -104,9 +128,10 @@ import psutil
 
 log = logging.getLogger("collectors")
 
-__all__ = ["MAX_CAPTURE_GROWTH_BYTES", "ProfileCapture", "is_comm", "make_private_dirs",
-           "merge", "profiler_active", "release_memory", "split_time", "subtract",
-           "summarise"]
+__all__ = ["MAX_CAPTURE_GROWTH_BYTES", "MAX_CAPTURE_GROWTH_BYTES_CUDA",
+           "MAX_CUDA_PROFILE_STEPS", "MAX_SUMMARY_EVENTS", "SUMMARY_TIMEOUT_S",
+           "ProfileCapture", "is_comm", "make_private_dirs", "merge", "profiler_active",
+           "release_memory", "split_time", "subtract", "summarise"]
 
 #: An interval of time, ``(start_s, end_s)``.
 Interval = tuple[float, float]
@@ -125,6 +150,15 @@ MAX_NAME = 200
 #: has grown by more than this since the capture started (module doc, "Bounded"):
 #: about 50,000 profiler events, 14 MB of trace, 250 MB for a moment at the end.
 MAX_CAPTURE_GROWTH_BYTES: Final = 16 << 20
+#: The same with CUDA activity (module doc, "Bounded"): each kernel's runtime call and
+#: kernel records add to the trace outside the memory the bound watches.
+MAX_CAPTURE_GROWTH_BYTES_CUDA: Final = MAX_CAPTURE_GROWTH_BYTES // 2
+#: The most steps a capture with CUDA activity takes; more is refused with an error.
+MAX_CUDA_PROFILE_STEPS: Final = 20
+#: The most events the summary reads, and the time torch's parsing and the summary
+#: each get (seconds) before the answer is made from what was read.
+MAX_SUMMARY_EVENTS: Final = 500_000
+SUMMARY_TIMEOUT_S: Final = 30.0
 
 _WAITING, _RUNNING, _DONE = "waiting", "running", "done"
 
@@ -214,27 +248,41 @@ def _interval(e: Any) -> Interval:
     return (float(tr.start) / 1e6, float(tr.end) / 1e6)
 
 
-def summarise(events: Iterable[Any], *, gpu: bool, top: int = 10) -> dict[str, Any]:
+def summarise(events: Iterable[Any], *, gpu: bool, top: int = 10,
+              max_events: int = MAX_SUMMARY_EVENTS,
+              timeout_s: float | None = SUMMARY_TIMEOUT_S) -> dict[str, Any]:
     """The summary of a capture from ``torch.profiler``'s events (``prof.events()``).
 
-    ``gpu``: split the GPU's timeline (when the events hold any GPU work) and rank
-    operators by self CUDA time; else the CPU's. Returns ``timeline``, ``top_ops`` and
-    the :func:`split_time` figures over the ``ProfilerStep#N`` window.
+    ``gpu``: split the GPU's timeline (when the events hold any GPU work) over the GPU's
+    own window (module doc) and rank operators by self CUDA time; else the CPU's, over
+    the ``ProfilerStep#N`` window. Returns ``timeline``, ``top_ops``, the
+    :func:`split_time` figures, and ``events_read``; at most ``max_events`` events are
+    read, within ``timeout_s`` seconds, and then ``partial`` is True.
     """
     steps: list[Interval] = []
+    gpu_steps: list[Interval] = []
     cpu_comm: dict[Any, list[Interval]] = {}  # by thread
     cpu_ops: dict[Any, list[Interval]] = {}
     dev_comm: list[Interval] = []
     dev_work: list[Interval] = []
     cpu_self: dict[str, list[float]] = {}
     dev_self: dict[str, list[float]] = {}
+    deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+    read, partial = 0, False
     for e in events:
+        if read >= max_events or (deadline is not None and read % 1024 == 0
+                                  and read and time.monotonic() > deadline):
+            partial = True
+            break
+        read += 1
         name = str(e.name)
         trace_name = str(getattr(e, "trace_name", None) or name)
         device = str(e.device_type).rsplit(".", 1)[-1]
         activity = getattr(e, "activity_type", None)
         if device != "CPU":
-            if activity is None or str(activity) in GPU_ACTIVITIES:
+            if trace_name.startswith("ProfilerStep"):  # the step on the GPU's timeline
+                gpu_steps.append(_interval(e))
+            elif activity is None or str(activity) in GPU_ACTIVITIES:
                 (dev_comm if is_comm(name) else dev_work).append(_interval(e))
             continue
         if trace_name.startswith("ProfilerStep"):
@@ -254,13 +302,14 @@ def summarise(events: Iterable[Any], *, gpu: bool, top: int = 10) -> dict[str, A
                 row[0] += float(t_us) / 1e6
                 row[1] += 1
     use_gpu = gpu and bool(dev_comm or dev_work)
-    if use_gpu:
+    if use_gpu:  # the GPU's own window: its steps, else its kernels' (module doc)
         compute, comm = dev_work, dev_comm
+        every = gpu_steps or compute + comm
     else:  # a collective called inside an operator (DDP's backward hooks) is not compute
         compute = [iv for t, ops in cpu_ops.items()
                    for iv in subtract(merge(ops), merge(cpu_comm.get(t, [])))]
         comm = [iv for ivs in cpu_comm.values() for iv in ivs]
-    every = steps or compute + comm
+        every = steps or compute + comm
     window = (min(a for a, _ in every), max(b for _, b in every)) if every else (0.0, 0.0)
     table = dev_self if use_gpu else cpu_self
     ranked = sorted(((n, s, c) for n, (s, c) in table.items() if s > 0),
@@ -268,7 +317,7 @@ def summarise(events: Iterable[Any], *, gpu: bool, top: int = 10) -> dict[str, A
     return {"timeline": "gpu" if use_gpu else "cpu",
             "top_ops": [{"name": n[:MAX_NAME], "self_s": s, "calls": int(c)}
                         for n, s, c in ranked],
-            **split_time(compute, comm, window)}
+            **split_time(compute, comm, window), "events_read": read, "partial": partial}
 
 
 def profiler_active() -> str | None:
@@ -332,6 +381,30 @@ def _rss() -> int | None:
         return None
 
 
+def _parameters(fn: Any) -> set[str]:
+    """The parameter names ``fn`` (a class: its ``__init__``) accepts; empty if unknown."""
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _switch_off() -> None:
+    """Switch off the profiler rtop started, after its own stop failed: the profiler of
+    this process is disabled and torch's flag cleared. Never raises."""
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch._C._autograd._profiler_enabled():
+            torch.autograd._disable_profiler()  # type: ignore[attr-defined]
+    with contextlib.suppress(Exception):
+        import torch.autograd.profiler as autograd_profiler
+
+        autograd_profiler._run_on_profiler_stop()  # type: ignore[no-untyped-call]
+
+
 def _always_record(step: int) -> Any:
     from torch.profiler import ProfilerAction
 
@@ -344,18 +417,21 @@ class ProfileCapture:
     ``out_dir``: where the trace goes (made if missing); ``worker_name``: the trace's
     worker name, one per rank (``rank3``); ``rank``: put in the answer; ``cuda``: profile
     CUDA activity too (None: when CUDA is available and initialised in this process);
-    ``top``: how many operators the answer lists. See the module doc for the answer,
-    the split and what happens on errors and aborts. Never raises into the job.
+    ``device``: the CUDA device the model lives on, current while the profiler starts
+    and stops (None: leave the current device as it is); ``top``: how many operators the
+    answer lists. See the module doc for the answer, the split, the bounds and what
+    happens on errors and aborts. Never raises into the job.
     """
 
     def __init__(self, out_dir: str, worker_name: str, steps: int, rank: int,
                  on_done: Callable[[dict[str, Any]], None], *, cuda: bool | None = None,
-                 top: int = 10) -> None:
+                 device: int | None = None, top: int = 10) -> None:
         self.out_dir = os.path.abspath(out_dir)
         self.worker_name = worker_name
         self.steps = steps
         self.rank = rank
         self.top = top
+        self.device = device
         self._cuda = cuda
         self._on_done = on_done
         self._lock = threading.Lock()
@@ -409,6 +485,17 @@ class ProfileCapture:
         if busy is not None:
             self._fail(f"{busy}; rtop does not start a second one, which would disturb it")
             return True
+        cuda = self._cuda
+        if cuda is None:
+            initialised: Callable[[], bool] = torch.cuda.is_initialized
+            cuda = torch.cuda.is_available() and initialised()
+        self._cuda = cuda
+        if cuda and self.steps > MAX_CUDA_PROFILE_STEPS:
+            self._fail(f"a profile with CUDA activity takes at most {MAX_CUDA_PROFILE_STEPS} "
+                       f"steps, not {self.steps}: every kernel adds to the trace, which is "
+                       f"written and summarised on the training thread while the other "
+                       f"ranks wait; ask for fewer steps")
+            return True
         try:
             make_private_dirs(self.out_dir)
             fd, probe_path = tempfile.mkstemp(prefix=".rtop-write-test-", dir=self.out_dir)
@@ -419,23 +506,22 @@ class ProfileCapture:
             return True
         from torch.profiler import ProfilerActivity, profile
 
-        cuda = self._cuda
-        if cuda is None:
-            initialised: Callable[[], bool] = torch.cuda.is_initialized
-            cuda = torch.cuda.is_available() and initialised()
-        self._cuda = cuda
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        options: dict[str, Any] = {}
+        if "post_processing_timeout_s" in _parameters(profile):  # bounded parsing
+            options["post_processing_timeout_s"] = SUMMARY_TIMEOUT_S
         prof = profile(activities=activities, schedule=_always_record,
-                       on_trace_ready=self._trace_ready)
+                       on_trace_ready=self._trace_ready, **options)
         prof.step_num = step  # ProfilerStep#N names the job's own step index
         self._first = step
         try:
-            prof.start()
+            with self._on_device():
+                prof.start()
         except Exception as exc:
             if "already enabled" not in str(exc):  # that one is the user's: leave it be
                 with contextlib.suppress(Exception):
                     prof.on_trace_ready = None
-                    prof.stop()
+                    self._stop(prof)
             self._fail(f"could not start the profiler: {type(exc).__name__}: {exc}")
             return True
         self._rss0 = _rss()
@@ -443,23 +529,47 @@ class ProfileCapture:
         return False
 
     def _over_bound(self) -> bool:
-        """Whether the rank's memory grew past :data:`MAX_CAPTURE_GROWTH_BYTES` since
-        the capture started (then :attr:`_note` says so)."""
+        """Whether the rank's memory grew past :data:`MAX_CAPTURE_GROWTH_BYTES` (with
+        CUDA activity :data:`MAX_CAPTURE_GROWTH_BYTES_CUDA`) since the capture started
+        (then :attr:`_note` says so)."""
+        bound = MAX_CAPTURE_GROWTH_BYTES_CUDA if self._cuda else MAX_CAPTURE_GROWTH_BYTES
         now = _rss()
-        if now is None or self._rss0 is None or now - self._rss0 <= MAX_CAPTURE_GROWTH_BYTES:
+        if now is None or self._rss0 is None or now - self._rss0 <= bound:
             return False
         self._note = (f"stopped after {self._count} of the {self.steps} steps asked: the "
                       f"rank's memory had grown by {(now - self._rss0) / 2**20:.0f} MiB "
-                      f"during the capture, beyond the {MAX_CAPTURE_GROWTH_BYTES >> 20} "
-                      f"MiB a capture may take; profile fewer steps for a complete one")
+                      f"during the capture, beyond the {bound >> 20} MiB a capture "
+                      f"{'with CUDA activity ' if self._cuda else ''}may take; profile "
+                      f"fewer steps for a complete one")
         return True
+
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """The model's device current on this thread (module doc), with CUDA activity."""
+        if not self._cuda or self.device is None:
+            return contextlib.nullcontext()
+        from collectors import cuda_events
+
+        ctx: contextlib.AbstractContextManager[Any] = cuda_events.cuda_module().device(
+            self.device)
+        return ctx
+
+    def _stop(self, prof: Any) -> None:
+        """Stop rtop's profiler with the model's device current; if that fails, switch
+        the profiler off all the same (and raise what stopping raised)."""
+        try:
+            with self._on_device():
+                prof.stop()
+        except Exception:
+            _switch_off()
+            raise
 
     def _finish(self) -> None:
         prof, self._prof = self._prof, None
         with self._lock:
             self._state = _DONE
+        events: Any = None
         try:
-            prof.stop()  # stops, then writes the trace (on_trace_ready)
+            self._stop(prof)  # stops, then writes the trace (on_trace_ready)
             if self._answered:
                 return  # aborted meanwhile from another thread: that was the answer
             size = None
@@ -470,8 +580,20 @@ class ProfileCapture:
                                       "steps": [self._first, self._first + self._count - 1],
                                       "trace": self._trace, "steps_asked": self.steps,
                                       "trace_bytes": size, "note": self._note}
-            answer.update(summarise(prof.events(), gpu=bool(self._cuda), top=self.top))
+            t0 = time.monotonic()
+            events = prof.events()  # torch's parsing: bounded where torch can
+            parse_s = time.monotonic() - t0
+            summary = summarise(events, gpu=bool(self._cuda), top=self.top)
+            events = None  # let go before the memory is handed back (finally)
+            read, partial = summary.pop("events_read"), summary.pop("partial")
+            answer.update(summary)
+            if partial or parse_s >= 0.95 * SUMMARY_TIMEOUT_S:
+                said = (f"the summary is made from the first {read} events: reading them "
+                        f"all would hold the training thread too long (the trace has them "
+                        f"all)")
+                answer["note"] = f"{self._note}; {said}" if self._note else said
         finally:
+            events = None
             prof.on_trace_ready = None
             del prof
             release_memory()
@@ -505,7 +627,7 @@ class ProfileCapture:
             return
         prof.on_trace_ready = None
         with contextlib.suppress(Exception):
-            prof.stop()
+            self._stop(prof)
         del prof
         release_memory()
 

@@ -16,23 +16,68 @@ It behaves like the real runtime where rtop's GPU path has gone wrong before
 * an event never recorded reads as complete; a sticky CUDA error (:attr:`sticky`)
   makes every later call raise, as after a device-side assert.
 
-GPU time is simulated: each device has a clock of issued work (ms), advanced by
-:meth:`FakeCuda.run`; the device executes it at once unless :attr:`paused`.
+* ``elapsed_time`` on an event the GPU has not passed raises, as ``cudaErrorNotReady``
+  does (:class:`NotReady`, a ``RuntimeError``; also an ``AssertionError`` for code that
+  caught the first fake's assertion).
+
+Streams and CUDA graphs (:meth:`FakeCuda.stream`, :attr:`FakeCuda.Stream`,
+:attr:`FakeCuda.CUDAGraph`, :meth:`FakeCuda.graph`), as CUDA's runtime rules them:
+
+* each stream runs its work in order; ``wait_event`` makes a stream's later work wait
+  until the GPU has passed the event (``cudaStreamWaitEvent``); the current stream is
+  per thread and per device, the device's default stream unless ``stream(s)`` says;
+* a capture (``CUDAGraph.capture_begin``) is made on the current stream, never the
+  default one ("CUDA graphs must be captured on a non-default stream"); work launched
+  on a capturing stream is recorded into the graph, not run; ``replay()`` runs it on
+  the current stream;
+* an event recorded on a capturing stream cannot be queried or timed
+  (``cudaErrorCapturedEvent``);
+* while a capture in mode ``"global"`` is in progress, a potentially unsafe call from
+  *any* thread (``cudaEventQuery``, ``cudaEventElapsedTime``, a synchronize, and
+  anything put on the legacy default stream, which synchronises implicitly with the
+  capturing stream) fails and invalidates the capture; in ``"thread_local"`` mode only
+  the capturing thread's own such calls do; ``"relaxed"`` forbids none. An invalidated
+  capture fails at ``capture_end`` ("operation failed due to a previous error during
+  capture").
+
+:class:`FakeNccl` stands in for an NCCL process group (module doc there).
+
+GPU time is simulated: each stream has a clock of issued work (ms; the default stream's
+is :attr:`FakeCuda.issued`), advanced by :meth:`FakeCuda.run`; the device executes it
+at once unless :attr:`paused` (then :attr:`FakeCuda.done` says how far it has got).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
 
-class FakeStream:
-    """A device's current stream."""
+class NotReady(RuntimeError, AssertionError):
+    """``cudaErrorNotReady``: the GPU has not passed the event yet."""
 
-    def __init__(self, device: int) -> None:
+
+class FakeStream:
+    """A stream of one device (``stream_id`` 0: the device's default stream)."""
+
+    def __init__(self, device: int, stream_id: int = 0) -> None:
         self.device = device
         self.device_index = device
+        self.stream_id = stream_id
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeStream) and (self.device, self.stream_id) == (
+            other.device, other.stream_id)
+
+    def __hash__(self) -> int:
+        return hash((self.device, self.stream_id))
+
+    def __repr__(self) -> str:
+        return f"<FakeStream cuda:{self.device} #{self.stream_id}>"
 
 
 class FakeCuda:
@@ -57,7 +102,16 @@ class FakeCuda:
         #: bytes other processes hold on each device (``mem_get_info`` counts them used)
         self.others_use = [0] * devices
         self.uuids = [f"0000000{i}-1111-2222-3333-44444444444{i}" for i in range(devices)]
+        #: clocks (ms) of the side streams, by (device, stream id)
+        self._clocks: dict[tuple[int, int], float] = {}
+        self._next_stream = 1
+        #: captures in progress, by the (device, stream id) they capture on
+        self._captures: dict[tuple[int, int], dict[str, Any]] = {}
+        #: how many captures an unsafe call invalidated
+        self.invalidated = 0
         self.Event = self._event_class()
+        self.Stream = self._stream_class()
+        self.CUDAGraph = self._graph_class()
 
     # ---- what rtop calls -------------------------------------------------------------
 
@@ -70,7 +124,67 @@ class FakeCuda:
         self._context(device, "set_device")
 
     def current_stream(self, device: int | None = None) -> FakeStream:
-        return FakeStream(self.current_device() if device is None else device)
+        device = self.current_device() if device is None else device
+        streams = getattr(self._tls, "streams", {})
+        return self.Stream._existing(device, streams.get(device, 0))
+
+    def default_stream(self, device: int | None = None) -> FakeStream:
+        return self.Stream._existing(self.current_device() if device is None else device, 0)
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[None]:
+        """``torch.cuda.stream(s)``: ``s`` is the calling thread's current stream of its
+        device inside the block."""
+        streams = self._tls.__dict__.setdefault("streams", {})
+        before = streams.get(stream.device, 0)
+        streams[stream.device] = stream.stream_id
+        try:
+            yield
+        finally:
+            streams[stream.device] = before
+
+    @contextlib.contextmanager
+    def device(self, device: int) -> Iterator[None]:
+        """``torch.cuda.device(d)``: ``d`` is current inside the block (a context opens
+        there, as ``cudaSetDevice`` does); the previous device comes back without opening
+        one (torch's ``_maybe_exchange_device``)."""
+        before = self.current_device()
+        self.set_device(device)
+        try:
+            yield
+        finally:
+            self._tls.device = before
+
+    def synchronize(self, device: int | None = None) -> None:
+        """``torch.cuda.synchronize()``: on the current device (a context opens there);
+        the host waits until the GPU has run everything enqueued there."""
+        device = self.current_device() if device is None else device
+        self._unsafe("synchronize")
+        self._context(device, "synchronize")
+        self._check()
+        self.done[device] = max(self.done[device], self._latest(device))
+
+    def is_current_stream_capturing(self) -> bool:
+        """Whether the calling thread's current stream (current device) is capturing."""
+        s = self.current_stream()
+        return (s.device, s.stream_id) in self._captures
+
+    def is_available(self) -> bool:
+        return self.devices > 0
+
+    @contextlib.contextmanager
+    def graph(self, cuda_graph: Any, pool: Any = None, stream: FakeStream | None = None,
+              capture_error_mode: str = "global") -> Iterator[None]:
+        """``torch.cuda.graph``: synchronize, then capture on ``stream`` (a side stream of
+        the current device by default) until the block ends."""
+        self.synchronize()
+        stream = stream if stream is not None else self.Stream(self.current_device())
+        with self.stream(stream):
+            cuda_graph.capture_begin(pool, capture_error_mode=capture_error_mode)
+            try:
+                yield
+            finally:
+                cuda_graph.capture_end()
 
     def is_initialized(self) -> bool:
         return self.initialized
@@ -100,16 +214,23 @@ class FakeCuda:
 
     # ---- what a test drives ----------------------------------------------------------
 
-    def run(self, device: int, ms: float) -> None:
-        """Enqueue ``ms`` of GPU work on ``device``; it executes at once unless paused."""
-        self.issued[device] += ms
-        if not self.paused:
-            self.done[device] = self.issued[device]
+    def run(self, device: int, ms: float, stream: FakeStream | None = None) -> None:
+        """Enqueue ``ms`` of GPU work on ``device``, on ``stream`` (default: the calling
+        thread's current stream there); it executes at once unless paused. On a capturing
+        stream it goes into the graph instead."""
+        s = stream if stream is not None else self.current_stream(device)
+        capture = self._captures.get((s.device, s.stream_id))
+        if capture is not None:
+            capture["ms"] += ms
+            return
+        if s.stream_id == 0:
+            self._unsafe("work on the legacy default stream")
+        self._advance(s, ms)
 
     def finish(self) -> None:
         """The GPU catches up with everything enqueued."""
         self.paused = False
-        self.done = list(self.issued)
+        self.done = [self._latest(d) for d in range(self.devices)]
 
     def as_autograd_thread(self, device: int) -> None:
         """Make the calling thread current on ``device`` without opening a context there
@@ -126,6 +247,109 @@ class FakeCuda:
         if self.sticky is not None:
             raise self.sticky
 
+    def _clock(self, s: FakeStream) -> float:
+        if s.stream_id == 0:
+            return self.issued[s.device]
+        return self._clocks.get((s.device, s.stream_id), 0.0)
+
+    def _set_clock(self, s: FakeStream, t: float) -> None:
+        if s.stream_id == 0:
+            self.issued[s.device] = t
+        else:
+            self._clocks[(s.device, s.stream_id)] = t
+        if not self.paused:
+            self.done[s.device] = max(self.done[s.device], t)
+
+    def _advance(self, s: FakeStream, ms: float) -> None:
+        self._set_clock(s, self._clock(s) + ms)
+
+    def _latest(self, device: int) -> float:
+        return max([self.issued[device]] + [t for (d, _), t in self._clocks.items()
+                                            if d == device])
+
+    def _unsafe(self, what: str) -> None:
+        """A potentially unsafe call while a capture is in progress (module doc): it
+        fails, and invalidates the capture, in the modes that forbid it."""
+        me = threading.get_ident()
+        hit = [c for c in self._captures.values()
+               if c["mode"] == "global" or (c["mode"] == "thread_local" and c["thread"] == me)]
+        if not hit:
+            return
+        for c in hit:
+            if not c["invalid"]:
+                c["invalid"] = True
+                self.invalidated += 1
+        raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing "
+                           f"({what})")
+
+    def _stream_class(self) -> type:
+        runtime = self
+
+        class Stream(FakeStream):
+            """``torch.cuda.Stream``: ``Stream(device)`` makes a new side stream."""
+
+            def __init__(self, device: int | None = None, priority: int = 0, *,
+                         _id: int | None = None) -> None:
+                device = runtime.current_device() if device is None else int(device)
+                if _id is None:
+                    _id = runtime._next_stream
+                    runtime._next_stream += 1
+                    # a new stream starts where the device is now
+                    runtime._clocks[(device, _id)] = runtime.done[device]
+                super().__init__(device, _id)
+
+            @classmethod
+            def _existing(cls, device: int, stream_id: int) -> FakeStream:
+                return cls(device, _id=stream_id)
+
+            def wait_event(self, event: Any) -> None:
+                event.wait(self)
+
+            def wait_stream(self, stream: FakeStream) -> None:
+                self.wait_event(stream.record_event())  # type: ignore[attr-defined]
+
+            def record_event(self, event: Any = None) -> Any:
+                event = event if event is not None else runtime.Event()
+                event.record(self)
+                return event
+
+        return Stream
+
+    def _graph_class(self) -> type:
+        runtime = self
+
+        class CUDAGraph:
+            """``torch.cuda.CUDAGraph``: what a capture recorded, replayed on demand."""
+
+            def __init__(self) -> None:
+                self.ms = 0.0
+                self.device: int | None = None
+                self.captured = False
+
+            def capture_begin(self, pool: Any = None, capture_error_mode: str = "global"
+                              ) -> None:
+                s = runtime.current_stream()
+                if s.stream_id == 0:
+                    raise RuntimeError("CUDA graphs must be captured on a non-default stream.")
+                runtime._check()
+                runtime._captures[(s.device, s.stream_id)] = {
+                    "mode": capture_error_mode, "thread": threading.get_ident(), "ms": 0.0,
+                    "invalid": False}
+
+            def capture_end(self) -> None:
+                s = runtime.current_stream()
+                capture = runtime._captures.pop((s.device, s.stream_id))
+                if capture["invalid"]:
+                    raise RuntimeError("CUDA error: operation failed due to a previous error "
+                                       "during capture")
+                self.ms, self.device, self.captured = capture["ms"], s.device, True
+
+            def replay(self) -> None:
+                assert self.captured and self.device is not None
+                runtime.run(self.device, self.ms)
+
+        return CUDAGraph
+
     def _context(self, device: int, why: str) -> None:
         with self._lock:
             if device not in {d for d, _, _ in self.contexts}:
@@ -141,6 +365,8 @@ class FakeCuda:
                 self.enable_timing = enable_timing
                 self.device: int | None = None
                 self.t: float | None = None
+                #: last recorded on a capturing stream (cudaErrorCapturedEvent from then)
+                self.captured = False
 
             def record(self, stream: FakeStream | None = None) -> None:
                 if stream is None:
@@ -153,27 +379,217 @@ class FakeCuda:
                         f"Event device {self.device} does not match recording stream's "
                         f"device {stream.device}.")
                 runtime._context(self.device, "event record")
-                self.t = runtime.issued[self.device]
+                if (stream.device, stream.stream_id) in runtime._captures:
+                    self.captured, self.t = True, 0.0  # a node of the graph, not a time
+                    return
+                if stream.stream_id == 0:
+                    runtime._unsafe("event record on the legacy default stream")
+                self.captured = False
+                self.t = runtime._clock(stream)
+
+            def wait(self, stream: FakeStream | None = None) -> None:
+                """``cudaStreamWaitEvent``: ``stream``'s later work waits for this event."""
+                stream = stream if stream is not None else runtime.current_stream()
+                if self.t is None or self.captured:
+                    return
+                if (stream.device, stream.stream_id) in runtime._captures:
+                    return  # a dependency inside the graph
+                runtime._set_clock(stream, max(runtime._clock(stream), self.t))
 
             def query(self) -> bool:
                 if self.t is None:
-                    return True
+                    return True  # never recorded: torch answers without calling CUDA
                 runtime._context(runtime.current_device(), "event query")
+                runtime._unsafe("cudaEventQuery")
                 runtime._check()
+                if self.captured:
+                    raise RuntimeError("CUDA error: operation not permitted on an event last "
+                                       "recorded in a capturing stream")
                 assert self.device is not None
                 return runtime.done[self.device] >= self.t
 
             def elapsed_time(self, end: Event) -> float:
                 runtime._context(runtime.current_device(), "elapsed_time")
+                runtime._unsafe("cudaEventElapsedTime")
                 runtime._check()
+                if self.captured or end.captured:
+                    raise RuntimeError("CUDA error: operation not permitted on an event last "
+                                       "recorded in a capturing stream")
                 assert self.t is not None and end.t is not None
-                assert self.query() and end.query(), "elapsed_time on an incomplete event"
+                if not (self.query() and end.query()):
+                    raise NotReady("CUDA error: device not ready (elapsed_time on an "
+                                   "incomplete event)")
                 return end.t - self.t
 
             def synchronize(self) -> None:
                 raise AssertionError("rtop must never synchronize")
 
         return Event
+
+
+class FakeFuture:
+    """The future of an NCCL work (:class:`FakeNccl`): complete from the start; a callback
+    runs at once, on the calling thread, with the device's current stream set to a stream
+    that waits for the collective (c10's CUDA-aware ``ivalue::Future``)."""
+
+    def __init__(self, nccl: FakeNccl, end: Any, value: Any = None) -> None:
+        self._nccl = nccl
+        self._end = end
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._value
+
+    def value(self) -> Any:
+        return self._value
+
+    def _run(self, fn: Callable[[Any], Any]) -> Any:
+        cuda, device = self._nccl.cuda, self._nccl.device
+        stream = cuda.Stream(device)
+        self._end.wait(stream)
+        with cuda.stream(stream):
+            return fn(self)
+
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+        self._run(fn)
+
+    def then(self, fn: Callable[[Any], Any]) -> FakeFuture:
+        return FakeFuture(self._nccl, self._end, self._run(fn))
+
+
+class FakeNccl:
+    """An NCCL process group as rtop sees one, made of a real one-rank gloo group.
+
+    :meth:`install` replaces methods of ``torch.distributed.ProcessGroup`` and ``Work``
+    (until :meth:`remove`) with what ProcessGroupNCCL and ``torch.distributed`` do since
+    torch 2.12; rtop, installed after, wraps them as torch's own. The rules:
+
+    * a collective takes :attr:`ms` of GPU time on :attr:`device`; its tensors are meta
+      tensors, which stand for CUDA tensors (neither is on the CPU; a one-rank collective
+      moves no data);
+    * ``async_op=True``: it runs on NCCL's own stream, which first waits for the caller's
+      current stream (ProcessGroupNCCL's ``syncStream``), and returns a ``Work``;
+    * **sync NCCL ops return no Work**: ``async_op=False`` runs it on the caller's
+      current stream and returns None (``distributed_c10d``: "the backend has sync'ed at
+      CPP level");
+    * **NCCL futures complete at enqueue**: a callback on ``work.get_future()`` runs at
+      once, on the host, on a stream that waits for the collective (:class:`FakeFuture`);
+    * ``work.wait()`` makes the caller's current stream wait for the collective; the
+      host does not wait;
+    * between ``_start_coalescing(device)`` and ``_end_coalescing(device)`` nothing is
+      launched (``ncclGroupStart``/``End``): an inner op's work completes at once (it
+      marks nothing); ``_end_coalescing`` launches the whole group on NCCL's stream and
+      returns its ``Work``;
+    * the group's backend is named ``"nccl"``.
+    """
+
+    COLLECTIVES = ("allreduce", "allreduce_coalesced", "all_gather_single",
+                   "reduce_scatter_single", "broadcast", "allgather_into_tensor_coalesced",
+                   "reduce_scatter_tensor_coalesced")
+
+    def __init__(self, cuda: FakeCuda, device: int = 0, ms: float = 3.0) -> None:
+        self.cuda = cuda
+        self.device = device
+        #: GPU time of one collective (ms)
+        self.ms = ms
+        #: collectives launched on the GPU (a coalesced group counts once)
+        self.launches = 0
+        self.works: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._grouped: dict[int, float] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._stream: Any = None
+
+    def install(self) -> FakeNccl:
+        import torch.distributed as dist
+
+        self._stream = self.cuda.Stream(self.device)
+        for name in self.COLLECTIVES:
+            if name in vars(dist.ProcessGroup):
+                self._patch(dist.ProcessGroup, name, self._collective())
+        fake = self
+
+        def start_coalescing(group: Any, device: Any) -> None:
+            fake._grouped[id(group)] = 0.0
+
+        def end_coalescing(group: Any, device: Any) -> Any:
+            return fake._work(fake._on_nccl_stream(fake._grouped.pop(id(group))))
+
+        self._patch(dist.ProcessGroup, "_start_coalescing", start_coalescing)
+        self._patch(dist.ProcessGroup, "_end_coalescing", end_coalescing)
+        self._patch(dist.ProcessGroup, "_get_backend_name", lambda group: "nccl")
+        wait, get_future = vars(dist.Work)["wait"], vars(dist.Work)["get_future"]
+
+        def nccl_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            found = fake.works.get(work)
+            if found is None:
+                return wait(work, *args, **kwargs)
+            found[0].wait(fake.cuda.current_stream(fake.device))
+            return True
+
+        def nccl_future(work: Any) -> Any:
+            found = fake.works.get(work)
+            return get_future(work) if found is None else FakeFuture(fake, *found)
+
+        self._patch(dist.Work, "wait", nccl_wait)
+        self._patch(dist.Work, "get_future", nccl_future)
+        return self
+
+    def remove(self) -> None:
+        for cls, name, original in reversed(self._saved):
+            setattr(cls, name, original)
+        self._saved.clear()
+
+    def __enter__(self) -> FakeNccl:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    # ---- the backend ---------------------------------------------------------------
+
+    def _patch(self, cls: Any, name: str, fn: Any) -> None:
+        self._saved.append((cls, name, vars(cls)[name]))
+        setattr(cls, name, fn)
+
+    def _collective(self) -> Callable[..., Any]:
+        fake = self
+
+        def nccl_collective(group: Any, *args: Any, **kwargs: Any) -> Any:
+            opts = kwargs.get("opts", args[-1] if args else None)
+            value = args[0] if args else None  # what the future holds: the tensors
+            if id(group) in fake._grouped:  # coalescing: nothing launched yet
+                fake._grouped[id(group)] += fake.ms
+                return fake._work(fake._mark(fake._stream), value)
+            if getattr(opts, "asyncOp", True) is False:  # the caller's stream, no Work
+                fake.cuda.run(fake.device, fake.ms)
+                fake.launches += 1
+                return None
+            return fake._work(fake._on_nccl_stream(fake.ms), value)
+
+        return nccl_collective
+
+    def _mark(self, stream: Any) -> Any:
+        event = self.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _on_nccl_stream(self, ms: float) -> Any:
+        """Run ``ms`` on NCCL's stream once the caller's current stream gets there; the
+        event that marks its end."""
+        self._mark(self.cuda.current_stream(self.device)).wait(self._stream)
+        self.cuda.run(self.device, ms, stream=self._stream)
+        self.launches += 1
+        return self._mark(self._stream)
+
+    def _work(self, end: Any, value: Any = None) -> Any:
+        import torch.distributed as dist
+
+        work = dist.Work()
+        self.works[work] = (end, value)
+        return work
 
 
 # ---- the link probe's runtime: NCCL point-to-point between ranks -----------------------

@@ -539,11 +539,13 @@ def test_summary_uses_the_gpu_timeline_where_there_is_one():
     ]
     gpu = summarise(events, gpu=True)
     assert gpu["timeline"] == "gpu"
-    assert gpu["wall_s"] == pytest.approx(1000e-6)
+    # the GPU's own window: no GPU-side ProfilerStep here, so its kernels' (100-700), not
+    # the CPU's ProfilerStep (0-1000, which read 400 us of idle: issue 25, finding 8)
+    assert gpu["wall_s"] == pytest.approx(600e-6)
     assert gpu["compute_s"] == pytest.approx(350e-6)  # 100-450
     assert gpu["comm_s"] == pytest.approx(350e-6)  # 350-700
     assert gpu["overlap_s"] == pytest.approx(100e-6)
-    assert gpu["idle_s"] == pytest.approx(400e-6)
+    assert gpu["idle_s"] == pytest.approx(0.0)
     assert [o["name"] for o in gpu["top_ops"]] == ["aten::mm", "aten::add_"]
     cpu = summarise(events, gpu=False)
     assert cpu["timeline"] == "cpu"
@@ -576,3 +578,165 @@ def test_a_collective_inside_an_operator_is_not_compute():
     assert s["comm_s"] == pytest.approx(110e-6)  # 40-150
     assert s["overlap_s"] == pytest.approx(40e-6)  # 60-100: backward while gloo reduces
     assert s["idle_s"] == pytest.approx(50e-6)
+
+
+# ---- on a GPU (findings 8, 9, 10 of issue 25): the GPU's timeline, its device, bounds ------
+
+
+def _gpu_ev(name, a, b, device="CPU", activity="cpu_op", cpu_self=0.0, dev_self=0.0):
+    from types import SimpleNamespace as NS
+
+    return NS(name=name, trace_name=name, device_type=f"DeviceType.{device}",
+              activity_type=activity, time_range=NS(start=a, end=b), thread=1,
+              self_cpu_time_total=cpu_self, self_device_time_total=dev_self,
+              is_user_annotation=activity.endswith("annotation"))
+
+
+def test_the_gpu_split_uses_the_gpus_own_steps_not_the_cpus():
+    """Finding 8: the GPU runs behind the host. Clipped to the CPU's ProfilerStep window
+    (0-1000 us), the kernels that lag past it were dropped and the 300 us before the
+    first step's kernels read as idle; kineto's GPU-side ProfilerStep spans the kernels
+    the steps launched (300-1600 us)."""
+    from collectors.profiler import summarise
+
+    events = [
+        _gpu_ev("ProfilerStep#4", 0, 500, activity="user_annotation"),
+        _gpu_ev("ProfilerStep#5", 500, 1000, activity="user_annotation"),
+        _gpu_ev("aten::mm", 10, 20, cpu_self=10, dev_self=700),
+        _gpu_ev("ProfilerStep#4", 300, 900, device="CUDA", activity="gpu_user_annotation"),
+        _gpu_ev("ProfilerStep#5", 900, 1600, device="CUDA", activity="gpu_user_annotation"),
+        _gpu_ev("sm90_gemm", 300, 700, device="CUDA", activity="kernel"),
+        _gpu_ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 700, 900, device="CUDA",
+                activity="kernel"),
+        _gpu_ev("sm90_gemm", 900, 1200, device="CUDA", activity="kernel"),
+        _gpu_ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1300, 1600, device="CUDA",
+                activity="kernel"),
+    ]
+    s = summarise(events, gpu=True)
+    assert s["timeline"] == "gpu"
+    assert s["wall_s"] == pytest.approx(1300e-6)  # was 1000e-6 (the CPU's window)
+    assert s["compute_s"] == pytest.approx(700e-6)  # was 600e-6: 1000-1200 was dropped
+    assert s["comm_s"] == pytest.approx(500e-6)  # was 200e-6: 1300-1600 was dropped
+    assert s["idle_s"] == pytest.approx(100e-6)  # was 200e-6 (0-300 counted as idle)
+    # without GPU-side steps in the trace: the kernels' own window
+    bare = summarise([e for e in events if e.activity_type != "gpu_user_annotation"],
+                     gpu=True)
+    assert bare["wall_s"] == pytest.approx(1300e-6) and bare["idle_s"] == pytest.approx(
+        100e-6)
+
+
+class _FakeCudaProfiler:
+    """``torch.profiler.profile`` with CUDA activity, as far as a capture uses it. Its
+    rule: stopping synchronises the *current* device (torch/autograd/profiler.py,
+    ``profile.__exit__``: ``device_module.synchronize()``), and a synchronise on a
+    device opens a CUDA context there (tests/fakecuda.py)."""
+
+    cuda = None  # the FakeCuda, set by the test
+
+    def __init__(self, activities=None, schedule=None, on_trace_ready=None, **kw) -> None:
+        self.on_trace_ready = on_trace_ready
+        self.step_num = 0
+        self.started = False
+
+    def start(self) -> None:
+        self.started = True
+
+    def step(self) -> None:
+        self.step_num += 1
+
+    def stop(self) -> None:
+        type(self).cuda.synchronize()
+        self.started = False
+        if self.on_trace_ready is not None:
+            self.on_trace_ready(self)
+
+    def export_chrome_trace(self, path: str) -> None:
+        Path(path).write_text("{}")
+
+    def events(self) -> list:
+        return []
+
+
+@pytest.fixture
+def cuda_profiler(monkeypatch):
+    """The fake CUDA runtime as ``torch.cuda`` for rtop, and the fake profiler above as
+    ``torch.profiler.profile``."""
+    import torch.profiler
+
+    from collectors import cuda_events
+    from tests.fakecuda import FakeCuda
+
+    fake = FakeCuda(devices=2)
+    monkeypatch.setattr(cuda_events, "cuda_module", lambda: fake)
+    monkeypatch.setattr(_FakeCudaProfiler, "cuda", fake)
+    monkeypatch.setattr(torch.profiler, "profile", _FakeCudaProfiler)
+    return fake
+
+
+def test_the_profiler_stops_on_the_models_gpu(cuda_profiler, tmp_path):
+    """Finding 9: a job that never calls set_device stays on GPU 0 while its model lives
+    on GPU 1; torch's profiler synchronises the current device when it stops, so every
+    rank opened a CUDA context on GPU 0. The profiler now stops with the model's device
+    current (and the training thread's current device is left as it was)."""
+    from collectors.profiler import ProfileCapture
+
+    fake = cuda_profiler
+    fake.run(1, 1.0)  # the model's GPU is in use; the training thread is on device 0
+    answers: list = []
+    cap = ProfileCapture(str(tmp_path / "t"), "rank0", 2, 0, answers.append, cuda=True,
+                         device=1)
+    assert [cap.at_boundary(s) for s in (7, 8, 9)] == [False, False, True]
+    assert "error" not in answers[0], answers
+    assert answers[0]["steps"] == [7, 8]
+    assert fake.context_devices() == {1}, fake.contexts  # nothing on GPU 0
+    assert fake.current_device() == 0
+
+
+def test_a_gpu_profile_is_bounded(cuda_profiler, tmp_path, monkeypatch):
+    """Finding 10: with CUDA activity every kernel adds to the trace, outside the memory
+    the capture's bound watches: more than MAX_CUDA_PROFILE_STEPS steps is refused with a
+    clear error (nothing started), and the capture stops at a lower growth."""
+    from collectors import profiler
+    from collectors.profiler import (
+        MAX_CAPTURE_GROWTH_BYTES,
+        MAX_CAPTURE_GROWTH_BYTES_CUDA,
+        MAX_CUDA_PROFILE_STEPS,
+        ProfileCapture,
+    )
+
+    answers: list = []
+    cap = ProfileCapture(str(tmp_path / "big"), "rank0", MAX_CUDA_PROFILE_STEPS + 1, 0,
+                         answers.append, cuda=True, device=1)
+    assert cap.at_boundary(3) is True
+    assert f"at most {MAX_CUDA_PROFILE_STEPS} steps" in answers[0]["error"]
+    assert not (tmp_path / "big").exists()  # nothing made, nothing started
+    # memory: the CPU capture goes on at a growth the GPU one stops at
+    assert MAX_CAPTURE_GROWTH_BYTES_CUDA < MAX_CAPTURE_GROWTH_BYTES
+    rss = {"now": 1 << 30}
+    monkeypatch.setattr(profiler, "_rss", lambda: rss["now"])
+    for cuda, steps_done in ((True, 2), (False, 5)):
+        answers = []
+        cap = ProfileCapture(str(tmp_path / f"grow-{cuda}"), "rank0", 5, 0, answers.append,
+                             cuda=cuda, device=1 if cuda else None)
+        rss["now"] = 1 << 30
+        cap.at_boundary(0)
+        cap.at_boundary(1)
+        rss["now"] += MAX_CAPTURE_GROWTH_BYTES_CUDA + (1 << 20)
+        while not cap.at_boundary(2):
+            pass
+        assert answers[0]["steps"][1] - answers[0]["steps"][0] + 1 == steps_done, cuda
+        assert ("memory" in (answers[0]["note"] or "")) is cuda
+
+
+def test_the_summary_reads_a_bounded_number_of_events():
+    """Finding 10: the summary is made on the training thread while the other ranks
+    wait in NCCL; it reads at most ``max_events`` events (and for at most its time), and
+    says it made do with part of them."""
+    from collectors.profiler import summarise
+
+    events = [_gpu_ev("aten::mm", i, i + 1, cpu_self=1) for i in range(5000)]
+    whole = summarise(events, gpu=False)
+    assert whole["events_read"] == 5000 and whole["partial"] is False
+    part = summarise(events, gpu=False, max_events=1000)
+    assert part["events_read"] == 1000 and part["partial"] is True
+    assert part["top_ops"][0]["calls"] == 1000
