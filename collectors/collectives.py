@@ -15,19 +15,42 @@ puts the originals back. Nothing else is touched and nothing synchronises:
 
 * at the call, the wrapper counts the bytes (the nccl-tests convention: the buffer of
   an allreduce or broadcast, the full output of an all-gather, the full input of a
-  reduce-scatter, the input of an all-to-all) and marks the launch: a
-  ``time.perf_counter()`` reading on CPU, a pooled CUDA event on the watched model's
-  device on GPU (``collectors.cuda_events``, resolved later by the sender thread);
+  reduce-scatter, the input of an all-to-all) and marks the launch. Which clock marks
+  it depends on where the collective runs (:func:`on_device`): one a device backend
+  runs (NCCL's) with a pooled CUDA event on the watched model's device, recorded on the
+  caller's current stream (``collectors.cuda_events``, resolved later by the sender
+  thread); one the host runs (gloo's, in a CPU job or a GPU one, on CPU tensors or
+  CUDA ones) with ``time.perf_counter()``: a CUDA event marks a point of a stream, and
+  a host collective's completion is no point of any stream. A device
+  collective with no event pool (CUDA timing off after a CUDA error, a model whose
+  parameters are on the CPU) is not measured: NCCL's futures complete at enqueue, so
+  the host would read ~0 (its entry's launch is None, and the step's collective figures
+  are then None, never ~0);
 * a callback on the work's future marks the completion, as rtop's DDP comm hook
-  does: on CPU when gloo's thread finishes it, on GPU an event that the GPU passes
-  once the collective is done (the future runs its callbacks on a stream that waits
-  for it). On CPU a synchronous call (``async_op=False``: ``torch.distributed``
-  waits on the work as soon as the group returns it) is marked complete when that
-  ``wait()`` returns instead: a future callback runs on gloo's thread, and handing
-  it the GIL costs several microseconds a call;
-* ``Work.wait()`` is marked before and after (on GPU, events on the current stream:
-  the span in which that stream waits for the collective). On CPU the call itself is
-  blocked time too (a synchronous gloo collective may run inside it).
+  does: on the host when gloo's thread finishes it, on GPU an event that the GPU
+  passes once the collective is done (the future runs its callbacks on a stream that
+  waits for it). On the host a synchronous call (``async_op=False``:
+  ``torch.distributed`` waits on the work as soon as the group returns it) is marked
+  complete when that ``wait()`` returns instead: a future callback runs on gloo's
+  thread, and handing it the GIL costs several microseconds a call. A synchronous
+  device collective returns no work at all (NCCL since torch 2.12: it ran on the
+  caller's current stream): an event recorded on that stream right after it marks its
+  completion, and if that stream is the step's own (the one the step's events are
+  recorded on), the whole collective was exposed: the step's stream ran nothing else;
+* the step's stream waiting for a collective is blocked time: ``Work.wait()`` on that
+  stream (events before and after: the span in which it waits) and
+  ``torch.cuda.Stream.wait_event`` called on it (FSDP2 waits for its all-gathers and
+  reduce-scatters that way, on events its own streams recorded); on the host, around
+  ``Work.wait()`` and the call itself (a synchronous gloo collective may run inside it).
+  A wait on another stream (FSDP2's all-gather stream waiting for its copy-in) is not
+  the step's;
+* with old-style coalescing (``_coalescing_manager(device=...)``: the group's
+  ``_start_coalescing`` ... ``_end_coalescing``), the collectives called in between are
+  only queued, and their works complete at once; the group is launched by
+  ``_end_coalescing``, so each of them is marked complete with the work it returns;
+* inside a CUDA graph capture nothing is recorded (``collectors.cuda_events``); a
+  collective launched then is in the graph, and a step that replays that graph says
+  its collectives are not measured.
 
 A collective's time is its launch-to-completion interval; the step's ``comm_s`` is
 the union of every interval (DDP's buckets included); ``comm_exposed_s`` is the part
@@ -54,14 +77,17 @@ have.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+from collectors.cuda_events import CAPTURES
 from collectors.schema import COLLECTIVE_OPS
 from collectors.timeline import union_length
 
@@ -121,6 +147,46 @@ def bus_factor(op: str, n: int) -> float:
     if op in ("broadcast", "reduce"):
         return 1.0
     return (n - 1) / n
+
+
+#: Backend names whose collectives run on a device (for a barrier, which has no tensor).
+DEVICE_BACKENDS: Final = ("nccl", "xccl", "hccl", "rccl")
+#: Backend names whose collectives run on the host, whatever their tensors (gloo's on
+#: CUDA tensors included: its own threads copy them and complete the work).
+HOST_BACKENDS: Final = ("gloo", "mpi")
+
+
+def first_tensor(x: Any, depth: int = 0) -> Any:
+    """The first tensor of ``x`` (a tensor, or a (nested) list of them), or None."""
+    if getattr(x, "numel", None) is not None:
+        return x
+    if depth < 2 and isinstance(x, (list, tuple)):
+        for t in x:
+            found = first_tensor(t, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def on_device(x: Any, group: Any) -> bool:
+    """Whether a collective on ``x`` runs on a device, its completion a point of a stream
+    rather than of the host: its first tensor is not on the CPU and the group's backend
+    for that tensor's device is not a host one (gloo, MPI); with no tensor (a barrier),
+    whether the group's backend is a device one (NCCL)."""
+    t = first_tensor(x)
+    try:
+        if t is None:
+            name = str(group._get_backend_name()).lower()
+            return any(b in name for b in DEVICE_BACKENDS)
+        if str(t.device.type) == "cpu":
+            return False
+        try:
+            name = str(group._get_backend(t.device).name()).lower()
+        except Exception:  # no backend registered for that device type: the group's own
+            name = str(group._get_backend_name()).lower()
+    except Exception:
+        return t is not None
+    return not any(h in name for h in HOST_BACKENDS)
 
 
 def tensor_bytes(x: Any, depth: int = 0) -> int:
@@ -226,6 +292,12 @@ class _Installed:
         #: ``(work, entry)`` of the last synchronous collective on CPU, until the
         #: ``wait()`` that ``torch.distributed`` calls on it marks its completion.
         self.waiting: tuple[Any, list[Any]] | None = None
+        #: Works of host collectives in a GPU job (gloo's): their ``wait()`` blocks the
+        #: host, so it is timed on the host's clock.
+        self.host_works: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: Groups between ``_start_coalescing`` and ``_end_coalescing`` (by id): the
+        #: collectives queued there, ``(entry, event pool or None)``.
+        self.coalescing: dict[int, list[tuple[list[Any], Any]]] = {}
 
 
 _STATE = _Installed()
@@ -236,6 +308,7 @@ def _forget_in_child() -> None:
     # inherits only call torch's methods.
     _STATE.probe = None
     _STATE.waiting = None
+    _STATE.coalescing = {}
 
 
 if hasattr(os, "register_at_fork"):
@@ -284,50 +357,102 @@ def _inside(codes: frozenset[Any]) -> bool:
     return False
 
 
+#: What :func:`_launch` hands to :func:`_launched`: the entry, the host clock at the
+#: call, the event pool that timed it (None: the host's clock), the stream its launch
+#: was recorded on, whether the call is synchronous, and whether it is timed at all.
+Launch = tuple[list[Any], float, Any, Any, bool, bool]
+
+
 def _launch(probe: Probe, comm: CommTiming, group: Any, op: str, pos: int,
             keys: tuple[str, ...], times_size: bool, args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> tuple[list[Any], float, Any, bool] | None:
-    """Before a collective is launched: its entry (appended to the step's), the clock
-    reading and the event pool it was timed with, and whether the call is synchronous
-    (its options say ``asyncOp=False``); None when it is not counted (DDP's own)."""
+            kwargs: dict[str, Any]) -> Launch | None:
+    """Before a collective is launched: its entry (appended to the step's) and how it
+    is timed (:data:`Launch`); None when it is not counted (DDP's own)."""
     t = time.perf_counter()
     codes = _hook_codes(comm)
     if codes and _inside(codes):
         return None
-    if pos < 0:
-        nbytes = 0
-    else:
+    x = None
+    if pos >= 0:
         x = args[pos] if len(args) > pos else next(
             (kwargs[k] for k in keys if k in kwargs), None)
-        nbytes = tensor_bytes(x)
+    nbytes = tensor_bytes(x) if x is not None else 0
     size = int(group.size())
     if times_size:
         nbytes *= size
-    cuda = probe.cuda
-    entry: list[Any] = [op, cuda.record() if cuda is not None else t, None, nbytes, size, 1]
+    device = on_device(x, group)
+    cuda = probe.cuda if device else None
+    stream = None
+    launch: Any = t
+    if device:
+        if CAPTURES.busy():
+            CAPTURES.note_comm()  # launched while a CUDA graph captures: it is in the graph
+        if cuda is not None:
+            stream = cuda.stream()
+            launch = cuda.record(stream)  # None while a graph is captured
+        else:  # a device collective timed on the host would read ~0: not measured
+            launch = None
+    entry: list[Any] = [op, launch, None, nbytes, size, 1]
     calls = comm.calls
     if calls is not None and len(calls) < MAX_CALLS_PER_STEP:
         calls.append(entry)
     opts = kwargs.get("opts", args[-1] if args else None)
-    return entry, t, cuda, getattr(opts, "asyncOp", True) is False
+    return (entry, t, cuda, stream, getattr(opts, "asyncOp", True) is False,
+            launch is not None)
 
 
-def _launched(comm: CommTiming, entry: list[Any], t0: float, cuda: Any, sync: bool,
-              work: Any) -> None:
-    """After the launch: on CPU the call itself was blocked time, and a synchronous
-    call completes when its ``wait()`` returns; otherwise the work's future marks the
-    completion."""
-    if cuda is None:
+def _main(cuda: Any, stream: Any) -> bool:
+    """Whether ``stream`` is the step's own (its waits are the step's exposed time)."""
+    main = cuda.step_stream
+    return main is None or stream == main
+
+
+def _launched(comm: CommTiming, entry: list[Any], t0: float, cuda: Any, stream: Any,
+              sync: bool, timed: bool, group: Any, work: Any) -> None:
+    """After the launch (see the module doc): on the host the call itself was blocked
+    time and a synchronous call completes when its ``wait()`` returns; a synchronous
+    device collective that returned no work completed on the caller's stream; inside
+    old-style coalescing the completion waits for the group's work; otherwise the
+    work's future marks the completion."""
+    if not timed:
+        return
+    if cuda is None:  # the host's clock
         t1 = time.perf_counter()
         blocked = comm.blocked
         if len(blocked) < MAX_CALLS_PER_STEP:
             blocked.append((t0, t1))
+        if work is not None and _STATE.probe is not None and _STATE.probe.cuda is not None:
+            _STATE.host_works.add(work)  # in a GPU job: its wait() is the host's too
+    queued = _STATE.coalescing.get(id(group))
+    if queued is not None:  # launched with the group, at _end_coalescing
+        queued.append((entry, cuda))
+        return
+    if cuda is None:
         if sync and work is not None:
             before, _STATE.waiting = _STATE.waiting, (work, entry)
             if before is not None:  # never waited on: its future says when it ended
                 _complete_later(comm, before[1], None, before[0])
             return
+    elif work is None:  # ran on the caller's stream (a synchronous NCCL collective)
+        _done_on_stream(comm, [entry], cuda, stream)
+        return
     _complete_later(comm, entry, cuda, work)
+
+
+def _done_on_stream(comm: CommTiming, entries: list[list[Any]], cuda: Any,
+                    stream: Any) -> None:
+    """``entries`` ran on ``stream`` and the host did not wait: mark their completion
+    there; on the step's own stream they were exposed throughout."""
+    done = cuda.record(stream)
+    for entry in entries:
+        entry[2] = done
+        if done is None:
+            entry[1] = None  # no completion could be marked: not measured
+    first = entries[0][1] if entries else None  # the first launch, on the same stream
+    if done is not None and first is not None and _main(cuda, stream):
+        blocked = comm.blocked
+        if len(blocked) < MAX_CALLS_PER_STEP:
+            blocked.append((first, done))
 
 
 def _complete_later(comm: CommTiming, entry: list[Any], cuda: Any, work: Any) -> None:
@@ -335,7 +460,13 @@ def _complete_later(comm: CommTiming, entry: list[Any], cuda: Any, work: Any) ->
 
     def on_done(_fut: Any) -> None:
         try:  # guard point "collectives.done"
-            entry[2] = cuda.record() if cuda is not None else time.perf_counter()
+            if cuda is None:
+                entry[2] = time.perf_counter()
+                return
+            done = cuda.record()  # the stream the future's callbacks run on
+            if done is None:
+                entry[1] = None  # no completion could be marked: not measured
+            entry[2] = done
         except Exception as exc:
             comm.fail_direct("collectives.done", exc)
 
@@ -369,7 +500,7 @@ def _wrap_method(name: str, original: Any) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         work = original(self, *args, **kwargs)  # the job's own errors propagate
         try:
-            _launched(comm, *launch, work=work)
+            _launched(comm, *launch, group=self, work=work)
         except Exception as exc:
             comm.fail_direct("collectives.launch", exc)
         return work
@@ -387,8 +518,12 @@ def _wrap_wait(original: Any) -> Callable[..., Any]:
         comm = probe.comm
         try:  # guard point "collectives.wait"
             cuda = probe.cuda
+            if cuda is not None and (self in _STATE.host_works or (
+                    _STATE.waiting is not None and _STATE.waiting[0] is self)):
+                cuda = None  # a host collective's work: its wait blocks the host
             t0 = time.perf_counter()
-            w0 = cuda.record() if cuda is not None else t0
+            stream = cuda.stream() if cuda is not None else None
+            w0 = cuda.record(stream) if cuda is not None else t0
             act = probe.activity
             mine = act.thread_id == threading.get_ident()
             if mine:
@@ -401,15 +536,15 @@ def _wrap_wait(original: Any) -> Callable[..., Any]:
         try:
             if mine and act.phase == "comm":
                 act.phase, act.since = before
-            w1 = cuda.record() if cuda is not None else time.perf_counter()
+            w1 = cuda.record(stream) if cuda is not None else time.perf_counter()
             waiting = _STATE.waiting
             if waiting is not None and waiting[0] is self:  # a synchronous call's end
                 _STATE.waiting = None
                 if waiting[1][2] is None:
                     waiting[1][2] = w1
             blocked = comm.blocked
-            if len(blocked) < MAX_CALLS_PER_STEP:
-                blocked.append((w0, w1))
+            if len(blocked) < MAX_CALLS_PER_STEP and (cuda is None or _main(cuda, stream)):
+                blocked.append((w0, w1))  # on another stream: not the step's wait
         except Exception as exc:
             comm.fail_direct("collectives.wait", exc)
         return result
@@ -417,6 +552,110 @@ def _wrap_wait(original: Any) -> Callable[..., Any]:
     rtop_wait.__name__ = rtop_wait.__qualname__ = "wait"
     rtop_wait.__doc__ = getattr(original, "__doc__", None)
     return rtop_wait
+
+
+def _wrap_wait_event(original: Any) -> Callable[..., Any]:
+    """``Stream.wait_event`` (``wait_stream`` goes through it): on the step's own
+    stream, the span that stream waits is blocked time (FSDP2's waits for its
+    collectives)."""
+
+    def rtop_wait_event(self: Any, *args: Any, **kwargs: Any) -> Any:
+        probe = _STATE.probe
+        cuda = probe.cuda if probe is not None else None
+        if cuda is None or probe is None or probe.comm.calls is None:
+            return original(self, *args, **kwargs)
+        comm = probe.comm
+        try:  # guard point "collectives.wait"
+            main = cuda.step_stream
+            w0 = cuda.record(self) if main is not None and self == main else None
+        except Exception as exc:
+            comm.fail_direct("collectives.wait", exc)
+            return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)  # the job's own errors propagate
+        if w0 is not None:
+            try:
+                w1 = cuda.record(self)
+                if w1 is not None and len(comm.blocked) < MAX_CALLS_PER_STEP:
+                    comm.blocked.append((w0, w1))
+            except Exception as exc:
+                comm.fail_direct("collectives.wait", exc)
+        return result
+
+    rtop_wait_event.__name__ = rtop_wait_event.__qualname__ = "wait_event"
+    rtop_wait_event.__doc__ = getattr(original, "__doc__", None)
+    return rtop_wait_event
+
+
+def _wrap_start_coalescing(original: Any) -> Callable[..., Any]:
+    def rtop_start_coalescing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)  # the job's own errors propagate
+        probe = _STATE.probe
+        if probe is not None and probe.comm.calls is not None:
+            try:  # guard point "collectives.launch"
+                _STATE.coalescing[id(self)] = []
+            except Exception as exc:
+                probe.comm.fail_direct("collectives.launch", exc)
+        return result
+
+    rtop_start_coalescing.__name__ = rtop_start_coalescing.__qualname__ = "_start_coalescing"
+    rtop_start_coalescing.__doc__ = getattr(original, "__doc__", None)
+    return rtop_start_coalescing
+
+
+def _wrap_end_coalescing(original: Any) -> Callable[..., Any]:
+    def rtop_end_coalescing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        queued = _STATE.coalescing.pop(id(self), None)
+        work = original(self, *args, **kwargs)  # the job's own errors propagate
+        probe = _STATE.probe
+        if queued and probe is not None and probe.comm.calls is not None:
+            comm = probe.comm
+            try:  # guard point "collectives.done"
+                gpu = [entry for entry, cuda in queued if cuda is not None]
+                if gpu and work is None:  # the group ran on the caller's stream
+                    pool = next(cuda for _, cuda in queued if cuda is not None)
+                    _done_on_stream(comm, gpu, pool, pool.stream())
+                for entry, cuda in queued:
+                    if cuda is None or work is not None:
+                        _complete_later(comm, entry, cuda, work)
+            except Exception as exc:
+                comm.fail_direct("collectives.done", exc)
+        return work
+
+    rtop_end_coalescing.__name__ = rtop_end_coalescing.__qualname__ = "_end_coalescing"
+    rtop_end_coalescing.__doc__ = getattr(original, "__doc__", None)
+    return rtop_end_coalescing
+
+
+def _graph_replayed() -> None:
+    """A CUDA graph whose capture launched a collective is replayed: the step's
+    collectives are not measured (an entry that could not be timed)."""
+    probe = _STATE.probe
+    calls = probe.comm.calls if probe is not None else None
+    if calls is not None and len(calls) < MAX_CALLS_PER_STEP:
+        calls.append(["all_reduce", None, None, 0, 1, 0])
+
+
+def _patch(cls: Any, name: str, wrap: Callable[[Any], Callable[..., Any]]) -> None:
+    original = cls.__dict__.get(name)
+    if original is None or (cls, name) in _STATE.wrappers:  # not in this torch, or done
+        return
+    wrapper = wrap(original)
+    _STATE.originals[(cls, name)] = original
+    _STATE.wrappers[(cls, name)] = wrapper
+    setattr(cls, name, wrapper)
+
+
+def use_cuda(probe: Probe) -> None:
+    """``probe`` times on a GPU now: watch its CUDA module's ``Stream.wait_event``
+    (the step's stream waiting for a collective) and CUDA graph replays, while the
+    wrappers are installed for it."""
+    pool = probe.cuda
+    if _STATE.probe is not probe or pool is None:
+        return
+    stream_cls = getattr(pool.module, "Stream", None)
+    if stream_cls is not None:
+        _patch(stream_cls, "wait_event", _wrap_wait_event)
+    CAPTURES.on_replay = _graph_replayed
 
 
 def install(probe: Probe) -> str | None:
@@ -432,19 +671,14 @@ def install(probe: Probe) -> str | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     if not _STATE.wrappers:
-        targets: list[tuple[Any, str, Callable[[str, Any], Callable[..., Any]]]] = [
-            (dist.ProcessGroup, name, _wrap_method) for name in METHODS]
-        targets.append((dist.Work, "wait", lambda _, original: _wrap_wait(original)))
-        for cls, name, wrap in targets:
-            original = cls.__dict__.get(name)
-            if original is None:  # not in this torch
-                continue
-            wrapper = wrap(name, original)
-            _STATE.originals[(cls, name)] = original
-            _STATE.wrappers[(cls, name)] = wrapper
-            setattr(cls, name, wrapper)
+        for name in METHODS:
+            _patch(dist.ProcessGroup, name, functools.partial(_wrap_method, name))
+        _patch(dist.ProcessGroup, "_start_coalescing", _wrap_start_coalescing)
+        _patch(dist.ProcessGroup, "_end_coalescing", _wrap_end_coalescing)
+        _patch(dist.Work, "wait", _wrap_wait)
     _STATE.probe = probe
     probe.comm.use_direct()
+    use_cuda(probe)
     return ("every collective timed at the process group (all-gather, reduce-scatter, "
             "all-to-all, broadcast and allreduce calls outside DDP's own, FSDP's "
             "included): launch to completion, exposed while the caller waited")
@@ -459,6 +693,9 @@ def release(probe: Probe) -> None:
         return
     _STATE.probe = None
     _STATE.waiting = None
+    _STATE.coalescing = {}
+    if CAPTURES.on_replay is _graph_replayed:
+        CAPTURES.on_replay = None
     for key, wrapper in list(_STATE.wrappers.items()):
         cls, name = key
         try:

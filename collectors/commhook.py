@@ -8,7 +8,12 @@ DDP model (the averaging replicates DDP's built-in reducer path operation for
 operation; ``tests/test_commhook.py`` checks it with 2 and 3 ranks).
 
 On CPU (gloo) the times are ``time.perf_counter`` readings; on CUDA they are pooled
-CUDA events recorded on the current stream, resolved later by the sender thread.
+CUDA events recorded on the current stream, resolved later by the sender thread. A
+bucket on a GPU with no event pool (CUDA timing off after a CUDA error) is not
+measured: NCCL's future completes at enqueue, so the host's clock would read ~0 (its
+entry's launch is None, and the step's collective figures are None, never ~0); nor is
+one launched while a CUDA graph is captured (nothing is recorded then, see
+``collectors.cuda_events``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import logging
 import time
 import types
 from typing import TYPE_CHECKING, Any
+
+from collectors.collectives import on_device
+from collectors.cuda_events import CAPTURES
 
 if TYPE_CHECKING:
     from collectors.probe import Probe
@@ -124,9 +132,16 @@ def install(probe: Probe, model: Any) -> str:
             return hook(inner["state"], bucket)
         try:  # guard point "commhook.launch": rtop's part only, never the allreduce
             cuda = p.cuda
-            entry: list[Any] = [
-                cuda.record() if cuda is not None else clock(), None, bucket.buffer().nbytes
-            ]
+            buf = bucket.buffer()
+            if cuda is not None:
+                launch: Any = cuda.record()  # None while a CUDA graph is captured
+                if CAPTURES.busy():
+                    CAPTURES.note_comm()
+            elif on_device(buf, process_group):
+                launch = None  # NCCL's future completes at enqueue: not measured
+            else:
+                launch = clock()
+            entry: list[Any] = [launch, None, buf.nbytes]
             steps = comm.buckets
             if steps is not None and len(steps) < MAX_BUCKETS_PER_STEP:
                 steps.append(entry)
@@ -138,7 +153,8 @@ def install(probe: Probe, model: Any) -> str:
 
         def mark_done() -> None:
             try:  # guard point "commhook.done"
-                entry[1] = cuda.record() if cuda is not None else clock()
+                if entry[0] is not None:
+                    entry[1] = cuda.record() if cuda is not None else clock()
             except Exception as exc:
                 comm.fail("commhook.done", exc)
 

@@ -14,6 +14,7 @@ point                     where it runs                                  feature
 ``step.enter``            ``with probe.step():`` entry                   step timing
 ``step.exit``             ``with probe.step():`` exit                    step timing
 ``cuda.record``           recording a step's or a bucket's CUDA event    CUDA timing
+``cuda.capture``          a CUDA graph's capture begin/end or replay     CUDA timing
 ``commhook.launch``       the comm hook, as DDP launches a bucket        collective timing
 ``commhook.done``         the comm hook's completion callback            collective timing
 ``ddptimer.read``         reading DDP's own timer at step exit           collective timing
@@ -51,6 +52,8 @@ ENTRY_POINTS: Final[dict[str, tuple[str, str]]] = {
     "step.enter": ("the entry of `with probe.step()`", "step timing"),
     "step.exit": ("the exit of `with probe.step()`", "step timing"),
     "cuda.record": ("recording a step's or a bucket's CUDA event", "CUDA timing"),
+    "cuda.capture": ("a CUDA graph's capture_begin, capture_end or replay, as rtop watches "
+                     "them", "CUDA timing"),
     "commhook.launch": ("the DDP comm hook, as a bucket's allreduce is launched",
                         "collective timing"),
     "commhook.done": ("the DDP comm hook's completion callback", "collective timing"),

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from collectors import collectives, ddptimer
 from collectors.config import ProbeConfig
-from collectors.cuda_events import EventPool
+from collectors.cuda_events import CAPTURES, EventPool
 from collectors.guard import Faults
 from collectors.handover import Activity, CommTiming
 from collectors.identity import Identity
@@ -167,8 +167,11 @@ class _StepTimer:
                 a.phase, a.since = "compute", t
                 if a.thread_id is None:
                     a.thread_id = threading.get_ident()
-                if p.cuda is not None:
-                    p._cuda_start = p.cuda.record()
+                cuda = p.cuda
+                if cuda is not None:
+                    stream = cuda.stream()
+                    cuda.step_stream = stream  # the stream whose waits are exposed comm
+                    p._cuda_start = cuda.record(stream)
                 if p.device_wanted:
                     p._answer_device()
         except Exception as exc:  # guard point "step.enter": never raise into the job
@@ -317,6 +320,7 @@ class Probe:
         self._t_enter = 0.0
         self._prev_exit: float | None = None
         self._cuda_start: Any = None
+        self._captures_watched = False
         self._step_timer: _StepTimer | _NoStep = _StepTimer(self)
         self._iter_off = False
         #: Notes for the hub (what is measured and how; what was turned off and why).
@@ -468,6 +472,11 @@ class Probe:
         event turns CUDA timing off (one warning, a note), never raises into the job."""
         pool.on_failure = self._cuda_failed
         self.cuda = pool
+        if pool.module is not None:  # CUDA graph captures: record and query nothing
+            CAPTURES.on_failure = self._fault
+            CAPTURES.install(pool.module)
+            self._captures_watched = True
+        collectives.use_cuda(self)
 
     # ---- failures on the training thread (collectors.guard) -----------------------
 
@@ -494,6 +503,8 @@ class Probe:
             elif point.startswith(("commhook.", "ddptimer.")) and not self.comm.failed:
                 self.comm.fail(point, error if isinstance(error, BaseException)
                                else RuntimeError(error))
+            elif point == "cuda.capture" and self.cuda is not None:
+                self.cuda.fail(f"watching CUDA graph captures failed: {error}")
             elif point.startswith("collectives.") and not self.comm.direct_failed:
                 self.comm.fail_direct(point, error if isinstance(error, BaseException)
                                       else RuntimeError(error))
@@ -608,6 +619,8 @@ class Probe:
             self.raytrain.release()  # what they wrapped in Ray Train, as it was
         self._sender.stop(self.config.close_timeout_s if timeout is None else timeout)
         ddptimer.release(self)  # the model goes back to DDP's own sampling
+        if self._captures_watched:  # once the sender has read its last events
+            CAPTURES.release()  # CUDAGraph's own methods back
 
     def __enter__(self) -> Probe:
         return self

@@ -10,7 +10,17 @@ only). Here they become rows in the order of ``collectors.schema.STEP_FIELDS``:
   step's per-collective split (its ``collectives`` field).
 * A step timed with CUDA events waits in :class:`PendingCudaSteps` until the GPU has
   passed all its events (``query()``, never a synchronize), or until a timeout, after
-  which its GPU figures are sent as not measured.
+  which its GPU figures are sent as not measured. Nothing is queried while a CUDA graph
+  is being captured (``collectors.cuda_events.CAPTURES``): a query then would
+  invalidate the user's capture.
+* A step's collectives may be timed on two clocks: a collective on device tensors with
+  CUDA events, one on host tensors (gloo's, in a GPU job) on the host's clock, which is
+  put on the step's GPU timeline by its offset from the step's start on the host (the
+  two starts taken as one instant). A collective that could not be timed (its launch is
+  None: a device collective with no event pool, whose host-side future completes at
+  enqueue; one inside a CUDA graph) makes the step's collective total not measured.
+  Each read works on a copy of the step's entries taken before its queries: a
+  completion that another thread (gloo's) marks after them counts as still in flight.
 
 Nothing here touches a probe, a socket or a clock of its own: callers pass the time.
 """
@@ -23,7 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from collectors.collectives import Call, StepCollectives, direct_calls, intersection
-from collectors.cuda_events import EventPool, seconds_between
+from collectors.cuda_events import CAPTURES, EventPool, seconds_between
 from collectors.timeline import comm_figures, span_comm_figures
 
 #: A step's collectives other than DDP's (``collectors.collectives``): ``(calls,
@@ -201,6 +211,18 @@ def step_row(raw: RawStep, gpu: GpuTimes | None, clock: ClockMap, *, world: int,
             split]
 
 
+#: Words of CUDA's errors about graph capture (``cudaErrorCapturedEvent``, ``...Capture
+#: Unsupported``, ``...CaptureInvalidated``): an event recorded in a capture rtop did not
+#: see begin can never be read; that costs its step's GPU figures, not CUDA timing.
+CAPTURE_ERRORS = ("capturing stream", "stream is capturing", "during capture")
+
+
+def capture_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of CUDA's errors about a graph capture."""
+    text = str(exc).lower()
+    return any(w in text for w in CAPTURE_ERRORS)
+
+
 def _is_time(value: Any) -> bool:
     """A host timestamp (the comm hook's ``perf_counter`` reading), not an event."""
     return isinstance(value, float)
@@ -263,13 +285,26 @@ class PendingCudaStep:
         buckets = self.raw[6]
         return buckets if isinstance(buckets, list) else []
 
+    def _snapshot(self) -> tuple[list[Any], Any]:
+        """Copies of the step's bucket entries and direct collectives, as they are now
+        (another thread may still mark a completion in the originals)."""
+        buckets = [list(b) for b in self.buckets()]
+        direct = self.raw[9] if len(self.raw) > 9 else None
+        if direct:
+            entries, blocked, complete = direct
+            direct = ([list(x) for x in entries], [tuple(b) for b in blocked], complete)
+        return buckets, direct
+
     def events(self) -> list[Any]:
         """Every CUDA event of the step: its start and end, then each bucket's two, then
         its direct collectives' (launch, completion, and each blocked span's two)."""
+        buckets, direct = self._snapshot()
+        return self._events(buckets, direct)
+
+    def _events(self, buckets: list[Any], direct: Any) -> list[Any]:
         pair = self.raw[8]
         assert pair is not None
-        direct = self.raw[9] if len(self.raw) > 9 else None
-        return [pair[0], pair[1], *bucket_events(self.buckets()), *direct_events(direct)]
+        return [pair[0], pair[1], *bucket_events(buckets), *direct_events(direct)]
 
     def resolved(self) -> RawStep:
         """The raw step with its direct collectives on the GPU timeline (see
@@ -285,15 +320,17 @@ class PendingCudaStep:
 
         A CUDA error while reading the events (a sticky error, the driver shutting
         down) is told to ``on_error``; the step is then sent with its GPU figures not
-        measured, and its events are dropped, never put back in the pool.
+        measured, and its events are dropped, never put back in the pool. An error about
+        a graph capture (an event recorded in a capture: :func:`capture_error`) costs
+        the step's GPU figures only and is not told.
         """
-        events = self.events()
+        buckets, direct = self._snapshot()
+        events = self._events(buckets, direct)
         try:
             if not all(e.query() for e in events):
                 return None
             start, end = events[0], events[1]
             gpu_s = seconds_between(start, end)
-            buckets = self.buckets()
             gpu_buckets: list[Any] | None = None
             if all(b[0] is not None and not _is_time(b[0])
                    and (b[1] is None or not _is_time(b[1])) for b in buckets):
@@ -305,33 +342,35 @@ class PendingCudaStep:
                     ]
                     for b in buckets
                 ]
-            self.direct = self._resolve_direct(start, gpu_s)
+            self.direct = self._resolve_direct(direct, start, gpu_s)
         except Exception as exc:
             self.direct = ()
-            if on_error is not None:
+            if on_error is not None and not capture_error(exc):
                 on_error(exc)
             return None, None
         if pool is not None:
             pool.release(*events)
         return gpu_s, gpu_buckets
 
-    def _resolve_direct(self, start: Any, gpu_s: float) -> Any:
-        direct = self.raw[9] if len(self.raw) > 9 else None
+    def _resolve_direct(self, direct: Any, start: Any, gpu_s: float) -> Any:
+        """The direct collectives on the GPU timeline (module doc: events, or host times
+        put there by their offset from the step's start on the host); ``()`` when one
+        could not be timed."""
         if not direct:
             return direct
         entries, blocked, complete = direct
+        t_enter = self.raw[3]
 
-        def event(e: Any) -> bool:
-            return e is not None and not _is_time(e)
+        def at(x: Any) -> float:
+            return x - t_enter if _is_time(x) else seconds_between(start, x)
 
-        if not all(event(x[1]) and (x[2] is None or event(x[2])) for x in entries) \
-                or not all(event(b[0]) and event(b[1]) for b in blocked):
-            return ()  # an event that could not be recorded (the pool failed)
+        if any(x[1] is None for x in entries) or any(b[0] is None or b[1] is None
+                                                     for b in blocked):
+            return ()  # a collective (or a wait) that could not be timed
         return (
-            [[x[0], seconds_between(start, x[1]),
-              seconds_between(start, x[2]) if x[2] is not None else gpu_s, x[3], x[4], x[5]]
+            [[x[0], at(x[1]), at(x[2]) if x[2] is not None else gpu_s, x[3], x[4], x[5]]
              for x in entries],
-            [(seconds_between(start, b[0]), seconds_between(start, b[1])) for b in blocked],
+            [(at(b[0]), at(b[1])) for b in blocked],
             complete,
         )
 
@@ -369,7 +408,8 @@ class PendingCudaSteps:
         queue = self._queue
         while queue:
             pending = queue[0]
-            resolved = pending.resolve(pool, on_error)
+            with CAPTURES.quiet() as may_query:  # no query while a graph is captured
+                resolved = pending.resolve(pool, on_error) if may_query else None
             if resolved is None:
                 if not final and now - pending.queued < self.timeout_s:
                     return
@@ -394,7 +434,12 @@ class CollectiveWatch:
         self._since = 0.0
 
     def check(self, bucket_lists: list[list[Any]], now: float) -> float | None:
-        """``now``'s clock reading of when the GPU entered its current collective."""
+        """``now``'s clock reading of when the GPU entered its current collective (None
+        too while a CUDA graph is being captured: nothing is queried then)."""
+        with CAPTURES.quiet() as may_query:
+            return self._check(bucket_lists, now) if may_query else None
+
+    def _check(self, bucket_lists: list[list[Any]], now: float) -> float | None:
         try:
             for buckets in bucket_lists:
                 for b in list(buckets):

@@ -491,7 +491,290 @@ def test_on_a_gpu_each_collective_is_timed_with_the_models_devices_events():
         assert set(r["collectives"]) == {"all_gather", "broadcast"}
         assert r["busbw_Bps"] is None  # one rank: nothing crosses a link
     assert out["contexts"] == [1], out["why"]  # every event on the model's device, none on GPU 0
-    # each step: its start and end, each collective's launch and completion, two around
-    # each wait (the broadcast's, which torch.distributed waits on, too); none reused
-    # yet: every step waited until the drain
-    assert out["created"] == 3 * (2 + 2 * 2 + 2 * 2)
+    # each step: its start and end, and nothing for its collectives: gloo's run on the
+    # host, which is where they are timed in a GPU job too (a CUDA event would mark a
+    # point of a stream they never moved: issue 25, finding 6); none reused yet: every
+    # step waited until the drain. NCCL's, on the model's device: the tests below.
+    assert out["created"] == 3 * 2
+
+
+# ---- on a GPU, faked (tests/fakecuda.py: CUDA's and NCCL's rules) ------------------------
+
+from tests.fakecuda import FakeCuda, FakeNccl  # noqa: E402
+from tests.test_gpu_path import gloo_world1  # noqa: E402,F401  (a one-rank gloo group here)
+
+
+def _gpu_probe(fake: FakeCuda, device: int = 1, pool: bool = True, model=None):
+    """A probe timing on the fake ``cuda:device`` (``pool=False``: no event pool, as
+    after a CUDA error), watching a model once the process group is up."""
+    import torch
+
+    import collectors
+    from collectors.cuda_events import torch_cuda_pool
+    from collectors.identity import detect
+
+    probe = collectors.Probe(detect(), collectors.ProbeConfig(hub=None, comm_timing="hook"),
+                             start_sender=False)
+    if pool:
+        probe.use_cuda_events(torch_cuda_pool(device, cuda=fake))
+    probe.watch(model if model is not None else torch.nn.Linear(4, 4))
+    return probe
+
+
+def _drained(probe, fake: FakeCuda) -> list[dict[str, Any]]:
+    """The probe's finished steps as records, once the fake GPU has run everything (read
+    as the sender thread reads them: on the pool's device)."""
+    fake.finish()
+    if probe.cuda is not None:
+        probe.cuda.bind_thread()
+    rows = StepRecords(5.0).drain(probe.records, probe.cuda, world=1, nbytes=0, now=0.0,
+                                  final=True)
+    return [dict(zip(STEP_FIELDS, r, strict=True)) for r in rows]
+
+
+def _meta(n: int):
+    import torch
+
+    return torch.empty(n, device="meta")  # stands for a CUDA tensor (tests/fakecuda.py)
+
+
+def test_a_synchronous_nccl_collective_is_exposed_on_the_steps_stream(gloo_world1):  # noqa: F811
+    """Finding 4: since torch 2.12 a synchronous NCCL collective runs on the caller's
+    stream and returns no Work (FakeNccl's rule). rtop counted only the time blocked in
+    ``Work.wait``, so a plain ``dist.all_reduce(t)`` read ``comm_exposed_s = 0`` and its
+    time went into ``compute_s``; on the step's own stream it is exposed throughout."""
+    import torch.distributed as dist
+
+    fake = FakeCuda(devices=2)
+    with FakeNccl(fake, device=1, ms=3.0):
+        probe = _gpu_probe(fake)
+        try:
+            for _ in range(3):
+                with probe.step():
+                    fake.run(1, 5.0)
+                    dist.all_reduce(_meta(256))
+                    fake.run(1, 1.0)
+            with probe.step():  # asynchronous, waited on: exposed while waited for only
+                fake.run(1, 5.0)
+                work = dist.all_reduce(_meta(256), async_op=True)
+                fake.run(1, 1.0)  # NCCL's stream runs it from 5 to 8 ms beside this
+                work.wait()
+                fake.run(1, 1.0)
+            rows = _drained(probe, fake)
+        finally:
+            probe.close(0.1)
+    assert len(rows) == 4
+    assert fake.context_devices() == {1}, fake.contexts  # every event on the model's GPU
+    for r in rows[:3]:
+        assert r["gpu_s"] == pytest.approx(0.009)
+        assert r["comm_s"] == pytest.approx(0.003)
+        assert r["comm_exposed_s"] == pytest.approx(0.003)  # was 0
+        assert r["compute_s"] == pytest.approx(0.006)  # was 0.009
+        assert r["comm_bytes"] == 1024
+    last = rows[3]
+    assert last["gpu_s"] == pytest.approx(0.009) and last["comm_s"] == pytest.approx(0.003)
+    assert last["comm_exposed_s"] == pytest.approx(0.002)  # 6 to 8 ms: the wait
+    assert last["compute_s"] == pytest.approx(0.007)
+
+
+def test_fsdp2s_wait_for_its_all_gather_is_exposed(gloo_world1):  # noqa: F811
+    """Finding 4: FSDP2 all-gathers synchronously on its own stream and makes the
+    compute stream wait with ``wait_event`` (torch's ``foreach_all_gather`` and
+    ``foreach_all_gather_copy_out``, step by step below). No ``Work.wait`` is ever
+    called, so rtop read no exposed time and counted the stall as compute."""
+    import torch.distributed as dist
+
+    fake = FakeCuda(devices=2)
+    with FakeNccl(fake, device=1, ms=4.0):
+        probe = _gpu_probe(fake)
+        try:
+            for _ in range(2):
+                with probe.step():
+                    fake.run(1, 2.0)  # the previous layer
+                    main = fake.current_stream(1)
+                    all_gather_stream = fake.Stream(1)
+                    all_gather_stream.wait_stream(main)
+                    with fake.stream(all_gather_stream):  # async_op=False: no Work
+                        dist.all_gather_into_tensor(_meta(512), _meta(512))
+                        all_gather_event = all_gather_stream.record_event()
+                    fake.run(1, 1.0)  # compute beside the all-gather (2 to 6 ms)
+                    main.wait_event(all_gather_event)  # the copy-out waits: 3 to 6 ms
+                    fake.run(1, 3.0)
+            rows = _drained(probe, fake)
+        finally:
+            probe.close(0.1)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["gpu_s"] == pytest.approx(0.009)
+        assert r["comm_s"] == pytest.approx(0.004)
+        assert r["comm_exposed_s"] == pytest.approx(0.003)  # was 0
+        assert r["compute_s"] == pytest.approx(0.006)  # was 0.009
+        assert r["collectives"] == {"all_gather": [pytest.approx(0.004), 2048, 1, None]}
+
+
+def test_nccl_timed_on_the_host_is_not_measured(gloo_world1):  # noqa: F811
+    """Finding 5: with no CUDA event pool (CUDA timing off after an error, a model on the
+    CPU), NCCL's collectives were timed on the host; NCCL futures complete at enqueue
+    (FakeNccl's rule), so they read ~0. Not measured (None), never ~0."""
+    import torch.distributed as dist
+
+    fake = FakeCuda(devices=1)
+    with FakeNccl(fake, device=0, ms=3.0):
+        probe = _gpu_probe(fake, device=0, pool=False)
+        try:
+            for _ in range(3):
+                with probe.step():
+                    fake.run(0, 2.0)
+                    dist.all_reduce(_meta(256))
+                    work = dist.all_reduce(_meta(256), async_op=True)
+                    work.wait()
+            rows = _drained(probe, fake)
+        finally:
+            probe.close(0.1)
+    assert len(rows) == 3
+    for r in rows:
+        for key in ("comm_s", "comm_exposed_s", "comm_bytes", "algbw_Bps", "busbw_Bps"):
+            assert r[key] is None, (key, r[key])
+        assert r["compute_s"] is not None
+
+
+class _GpuBucket:
+    """A DDP gradient bucket of a model on a GPU (a meta tensor stands for the CUDA one)."""
+
+    def __init__(self, n: int) -> None:
+        self._buffer = _meta(n)
+
+    def buffer(self):
+        return self._buffer
+
+    def is_last(self) -> bool:
+        return True
+
+    def index(self) -> int:
+        return 0
+
+
+def test_a_ddp_bucket_on_a_gpu_timed_on_the_host_is_not_measured(gloo_world1):  # noqa: F811
+    """Finding 5, DDP's side: rtop's comm hook with no event pool timed a GPU bucket's
+    allreduce on the host, where NCCL's future completes at enqueue: ~0."""
+    from tests.test_gpu_path import _ddp
+
+    fake = FakeCuda(devices=1)
+    model = _ddp()
+    with FakeNccl(fake, device=0, ms=3.0):
+        probe = _gpu_probe(fake, device=0, pool=False, model=model)
+        hook = model._comm_hooks[-1][0]  # rtop's timing hook, as DDP calls it
+        try:
+            for _ in range(2):
+                with probe.step():
+                    hook(None, _GpuBucket(1024))
+            rows = _drained(probe, fake)
+        finally:
+            probe.close(0.1)
+    assert [r["comm_s"] for r in rows] == [None, None]
+    assert [r["comm_bytes"] for r in rows] == [None, None]
+
+
+def test_a_gloo_collective_in_a_gpu_job_is_timed_on_the_host(gloo_world1):  # noqa: F811
+    """Finding 6: a gloo collective (host tensors) in a job timed with CUDA events was
+    timed with events too; a CUDA event marks a point of a stream, and a host collective
+    moves no stream, so it read 0. It is timed on the host's clock now."""
+    import torch
+    import torch.distributed as dist
+
+    fake = FakeCuda(devices=2)
+    probe = _gpu_probe(fake)
+    spent = []
+    try:
+        for _ in range(3):
+            with probe.step():
+                fake.run(1, 2.0)
+                t0 = time.perf_counter()
+                dist.all_reduce(torch.ones(1 << 20))
+                work = dist.broadcast(torch.ones(1 << 18), src=0, async_op=True)
+                work.wait()
+                spent.append(time.perf_counter() - t0)
+                fake.run(1, 1.0)
+        rows = _drained(probe, fake)
+    finally:
+        probe.close(0.1)
+    assert len(rows) == 3
+    for r, s in zip(rows, spent, strict=True):
+        assert r["gpu_s"] == pytest.approx(0.003)
+        assert 0 < r["comm_s"] <= s  # was 0.0
+        assert 0 < r["comm_exposed_s"] <= r["comm_s"]
+        assert set(r["collectives"]) == {"all_reduce", "broadcast"}
+    assert probe.cuda is not None and probe.cuda.failure is None
+
+
+def test_old_style_coalescing_is_timed_at_the_groups_launch(gloo_world1):  # noqa: F811
+    """Finding 11: inside ``_coalescing_manager(device=...)`` NCCL launches nothing
+    until ``_end_coalescing`` (FakeNccl's rule: an inner op's work completes at once), so
+    each inner collective read ~0. They complete with the group's work now."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    fake = FakeCuda(devices=2)
+    meta = torch.device("meta")
+    with FakeNccl(fake, device=1, ms=3.0):
+        probe = _gpu_probe(fake)
+        group = dist.group.WORLD
+        try:
+            with probe.step():  # all_reduce: torch's fast path, one allreduce_coalesced
+                fake.run(1, 2.0)
+                with _coalescing_manager(group, meta):
+                    dist.all_reduce(_meta(100))
+                    dist.all_reduce(_meta(100))
+                fake.run(1, 1.0)
+            with probe.step():  # broadcast: each op goes to the group (the old style)
+                fake.run(1, 2.0)
+                with _coalescing_manager(group, meta, async_ops=True) as cm:
+                    dist.broadcast(_meta(100), src=0)
+                    dist.broadcast(_meta(100), src=0)
+                fake.run(1, 1.0)
+                cm.wait()
+                fake.run(1, 1.0)
+            rows = _drained(probe, fake)
+        finally:
+            probe.close(0.1)
+    fast, old = rows
+    assert fast["gpu_s"] == pytest.approx(0.006)
+    assert fast["comm_s"] == pytest.approx(0.003)  # was 0
+    assert fast["comm_exposed_s"] == pytest.approx(0.003) and fast["comm_bytes"] == 800
+    assert old["gpu_s"] == pytest.approx(0.009)
+    assert old["comm_s"] == pytest.approx(0.006)  # the group ran both: 8 to 14 ms
+    assert old["comm_exposed_s"] == pytest.approx(0.005)  # waited for from 9 ms
+    assert old["comm_calls"] == 2 and old["comm_bytes"] == 800
+
+
+def test_a_step_that_replays_a_graph_with_collectives_says_not_measured(gloo_world1):  # noqa: F811
+    """Finding 3: a collective captured in a CUDA graph runs, unseen, at each replay; a
+    step that replays the graph said its collectives were measured and zero."""
+    import torch.distributed as dist
+
+    fake = FakeCuda(devices=2)
+    fake.set_device(1)
+    with FakeNccl(fake, device=1, ms=3.0):
+        probe = _gpu_probe(fake)
+        graph = fake.CUDAGraph()
+        try:
+            with fake.graph(graph):
+                fake.run(1, 4.0)
+                dist.all_reduce(_meta(64))  # synchronous: on the capturing stream
+            with probe.step():
+                fake.run(1, 1.0)
+            for _ in range(2):
+                with probe.step():
+                    graph.replay()
+            with probe.step():  # no replay: measured, and no collective ran
+                fake.run(1, 1.0)
+            rows = _drained(probe, fake)
+        finally:
+            probe.close(0.1)
+    assert len(rows) == 4
+    replays = rows[1:3]
+    assert [r["gpu_s"] for r in replays] == [pytest.approx(0.007)] * 2
+    assert [r["comm_s"] for r in replays] == [None, None]  # was 0.0
+    assert rows[3]["comm_s"] == 0.0 and rows[3]["gpu_s"] == pytest.approx(0.001)
+    assert probe.cuda is not None and probe.cuda.failure is None

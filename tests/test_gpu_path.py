@@ -342,3 +342,50 @@ def test_without_a_cuda_model_the_gpu_is_the_training_threads_device(
     assert probe.cuda_device == 0
     rows = listener.records("gpu")[3]
     assert rows and all(r["mem_total_bytes"] for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local"])
+def test_a_cuda_graph_capture_is_never_disturbed_and_replays_are_timed(listener, fake_cuda,
+                                                                       mode):
+    """Finding 3: while a CUDA graph is captured, the sender thread's ``cudaEventQuery``
+    invalidated the user's capture in the default "global" mode (its ``capture_end``
+    raised into the job), and events rtop recorded inside the capture (a step inside it)
+    could never be read, which turned CUDA timing off for the rest of the run. Now
+    nothing is recorded or queried during a capture, and each replay is a timed step."""
+    fake_cuda.set_device(1)
+    probe = _probe(listener)
+    probe.use_cuda_events(torch_cuda_pool(1))
+    graph = fake_cuda.CUDAGraph()
+    side = fake_cuda.Stream(1)
+    try:
+        fake_cuda.paused = True  # the GPU runs behind: the sender asks about these steps
+        for _ in range(3):
+            with probe.step():
+                fake_cuda.run(1, 2.0)
+        with fake_cuda.stream(side):  # the user's capture (torch.cuda.graph's own steps)
+            graph.capture_begin(capture_error_mode=mode)
+            try:
+                with probe.step():  # a graphed training step
+                    fake_cuda.run(1, 4.0)
+                time.sleep(0.5)  # ten of the sender's rounds
+            finally:
+                graph.capture_end()  # raises if the capture was invalidated
+        fake_cuda.finish()
+        for _ in range(4):
+            with probe.step():
+                graph.replay()
+        _wait_for("8 steps", lambda: len(listener.records("steps").get(0, [])) == 8)
+    finally:
+        fake_cuda.finish()
+        probe.close(2.0)
+    assert fake_cuda.invalidated == 0
+    rows = sorted(listener.records("steps")[0], key=lambda r: r["step"])
+    assert [r["step"] for r in rows] == list(range(8))
+    assert [r["gpu_s"] for r in rows[:3]] == [pytest.approx(0.002)] * 3
+    assert rows[3]["gpu_s"] is None and rows[3]["compute_s"] is not None  # on the host
+    assert [r["gpu_s"] for r in rows[4:]] == [pytest.approx(0.004)] * 4  # the replays
+    assert probe.cuda is not None and probe.cuda.failure is None
+    assert not [n for n in probe.notes if "turned off" in n]
+    # the graph's own methods are back once the probe is closed
+    assert all(vars(type(graph))[n].__module__ == "tests.fakecuda"
+               for n in ("capture_begin", "capture_end", "replay"))

@@ -192,3 +192,108 @@ def test_step_records_keep_the_order_steps_finished_in():
     assert [r[0] for r in rows] == [1, 2]
     assert [r[STEP_FIELDS.index("gpu_s")] for r in rows] == [pytest.approx(0.011)] * 2
     assert records.drain(raws, pool, world=1, nbytes=0, now=2.0, final=True) == []
+
+
+def test_a_completion_marked_after_the_query_pass_does_not_turn_cuda_timing_off():
+    """Finding 6's race: another thread (gloo's callback) may mark a collective's
+    completion between the pass that asks the GPU whether the step's events are done and
+    the reading of their times; ``elapsed_time`` raises on an event the GPU has not
+    passed (tests/fakecuda.py: cudaErrorNotReady), and the sender then turned CUDA timing
+    off for the rest of the run. The step is read from one copy of its entries now: the
+    late completion counts as still in flight at the step's end."""
+    from collections import deque
+
+    from collectors.cuda_events import torch_cuda_pool
+    from tests.fakecuda import FakeCuda
+
+    fake = FakeCuda(devices=1)
+    pool = torch_cuda_pool(0, cuda=fake)
+    start = pool.record()
+    fake.run(0, 2.0)
+    entry = ["all_reduce", pool.record(), None, 4000, 2, 1]
+    fake.run(0, 3.0)
+    end = pool.record()
+    raw = (*_raw(None, (start, end)), ([entry], [], True))
+    asked = end.query
+
+    def query_then_complete() -> bool:  # the GPU is asked, then gloo's thread completes
+        done = asked()
+        if entry[2] is None:
+            fake.paused = True
+            fake.run(0, 1.0)
+            entry[2] = pool.record()  # an event the GPU has not reached
+        return done
+
+    end.query = query_then_complete
+    errors: list[BaseException] = []
+
+    def on_error(exc: BaseException) -> None:  # what the sender does (Sender._step_error)
+        errors.append(exc)
+        pool.fail(f"reading CUDA events failed: {exc}")
+
+    records = StepRecords(30.0, on_error=on_error)
+    rows = records.drain(deque([raw]), pool, world=2, nbytes=0, now=0.0)
+    assert errors == [] and pool.failure is None
+    row = dict(zip(STEP_FIELDS, rows[0], strict=True))
+    assert row["gpu_s"] == pytest.approx(0.005)
+    assert row["comm_s"] == pytest.approx(0.003)  # launch at 2 ms, in flight to the end
+
+
+def test_host_timed_collectives_sit_on_a_cuda_steps_timeline():
+    """A gloo collective in a GPU job is timed on the host: its entry is put on the
+    step's GPU timeline by its offset from the step's start on the host."""
+    gpu = FakeGpu()
+    pool = EventPool(gpu.event)
+    start = pool.record()
+    gpu.issued += 10.0
+    end = pool.record()
+    gpu.done = 1e9
+    # t_enter 10.02: a gloo all-reduce from 10.024 to 10.030, blocked throughout
+    direct = ([["all_reduce", 10.024, 10.030, 400, 2, 1]], [(10.024, 10.030)], True)
+    pending = PendingCudaStep((*_raw(None, (start, end)), direct), queued=0.0)
+    times = pending.resolve(pool)
+    assert times is not None and times[0] == pytest.approx(0.010)
+    row = _row(pending.resolved(), times)
+    assert row["comm_s"] == pytest.approx(0.006)
+    assert row["comm_exposed_s"] == pytest.approx(0.006)
+    assert row["compute_s"] == pytest.approx(0.004)
+    # one that could not be timed (a device collective with no event pool): not measured
+    direct = ([["all_reduce", None, None, 400, 2, 1]], [], True)
+    start, end = pool.record(), pool.record()
+    pending = PendingCudaStep((*_raw(None, (start, end)), direct), queued=0.0)
+    row = _row(pending.resolved(), pending.resolve(pool))
+    assert row["gpu_s"] == pytest.approx(0.0) and row["comm_s"] is None
+
+
+def test_an_event_recorded_in_an_unseen_capture_costs_its_step_only():
+    """Finding 3: an event recorded on a capturing stream can never be read (CUDA's
+    cudaErrorCapturedEvent, tests/fakecuda.py). Where rtop did not see the capture begin
+    (a pool that cannot ask, a capture on another thread), such an event turned CUDA
+    timing off for the rest of the run; it costs that step's GPU figures now."""
+    from collections import deque
+
+    from collectors.cuda_events import EventPool
+    from tests.fakecuda import FakeCuda
+
+    fake = FakeCuda(devices=1)
+    pool = EventPool(lambda: fake.Event(enable_timing=True))  # no capture check
+    side = fake.Stream(0)
+    graph = fake.CUDAGraph()
+    with fake.stream(side):
+        graph.capture_begin(capture_error_mode="relaxed")
+        captured = (pool.record(), pool.record())  # a step inside the capture
+        graph.capture_end()
+    errors: list[BaseException] = []
+
+    def on_error(exc: BaseException) -> None:  # what the sender does (Sender._step_error)
+        errors.append(exc)
+        pool.fail(str(exc))
+
+    records = StepRecords(30.0, on_error=on_error)
+    start = pool.record()
+    fake.run(0, 2.0)
+    later = (start, pool.record())
+    rows = records.drain(deque([_raw(None, captured, step=0), _raw(None, later, step=1)]),
+                         pool, world=1, nbytes=0, now=0.0)
+    assert errors == [] and pool.failure is None
+    assert [r[STEP_FIELDS.index("gpu_s")] for r in rows] == [None, pytest.approx(0.002)]
