@@ -44,6 +44,13 @@ run of a couple of minutes on an H200:
    inside ``with probe.step():`` and lets the error kill the process. It must exit
    non-zero, and the hub must have the rank's goodbye carrying the error (status
    ``failed``, the error naming the CUDA error), not merely "lost".
+8. Issue 25's sections, from ``gpu_check_collectives.py`` (NCCL sync and async
+   collectives with exposed comm measured, a one-rank FSDP2 step, a CUDA graph captured
+   and replayed while the sender runs, the no-``set_device`` case with the process's
+   contexts), ``gpu_check_profile.py`` (a profile with CUDA activity: GPU kernels in the
+   trace, the GPU split against CUDA events; the profile's bounds on a GPU) and
+   ``gpu_check_probe.py`` (the probe's device without ``set_device``, a pair group on one
+   GPU timed by events and freed, a real 2-rank probe with 2+ GPUs); see each module.
 
 Any "rtop turned off ..." note in a probe of these healthy runs is a FAIL.
 
@@ -1311,6 +1318,19 @@ def main() -> int:
             ("6. overhead", lambda: overhead_check(torch)),
             ("7. device-side assert", lambda: assert_check()),
         ]
+        # issue 25's sections, one module per area (each imports nothing of this script:
+        # it runs as __main__, so the results are reported through ``ui``)
+        import types
+
+        ui = types.SimpleNamespace(check=check, skip=skip, say=say)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        for module in ("gpu_check_collectives", "gpu_check_profile", "gpu_check_probe"):
+            try:
+                extra = __import__(module).sections(torch, ui)
+            except Exception as exc:
+                check(f"{module}: imports", False, f"{type(exc).__name__}: {exc}")
+                continue
+            sections += [(f"8. {label}", fn) for label, fn in extra]
         for label, fn in sections:
             run_section(label, fn, torch)
     finally:
