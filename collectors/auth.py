@@ -40,6 +40,7 @@ import base64
 import functools
 import hashlib
 import hmac
+import itertools
 import math
 import re
 import secrets
@@ -125,7 +126,7 @@ def token_bits(token: str) -> float:
             letters = len(squeezed) * math.log2(26) + (1.0 if piece[0].isupper() else 0.0)
             bits += min(letters, WORD_BITS + 1.0) + repeats
         elif piece.isdigit():
-            steps = {int(b) - int(a) for a, b in zip(piece, piece[1:])}
+            steps = {int(b) - int(a) for a, b in itertools.pairwise(piece)}
             if len(piece) >= 3 and steps in ({1}, {-1}):  # 0123456789, 987: a run
                 bits += math.log2(10) + math.log2(len(piece))
             elif len(piece) == 4 and piece[:2] in ("19", "20"):  # a year

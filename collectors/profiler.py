@@ -398,7 +398,7 @@ def _switch_off() -> None:
         import torch
 
         if torch._C._autograd._profiler_enabled():
-            torch.autograd._disable_profiler()  # type: ignore[attr-defined]
+            torch.autograd._disable_profiler()  # type: ignore[attr-defined,unused-ignore]
     with contextlib.suppress(Exception):
         import torch.autograd.profiler as autograd_profiler
 

@@ -96,8 +96,8 @@ def test_throttled_inter_node_link_is_a_slow_link(two_nodes, tmp_path):
     thresholds.write_text(json.dumps({"fabric_busbw": {"ethernet": 100e6}}))
     record, disc = tmp_path / "run.rtop", tmp_path / "hub.json"
     hub = in_ns(NS[0], sys.executable, "-m", "rtop", "serve", "--host", IP[0], "--port", "7790",
-                "--token", "slow-link-test-Kq8vT2mX9zLp4wRc", "--record", str(record), "--discovery-file",
-                str(disc), "--thresholds", str(thresholds),
+                "--token", "slow-link-test-Kq8vT2mX9zLp4wRc", "--record", str(record),
+                "--discovery-file", str(disc), "--thresholds", str(thresholds),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 30
