@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from collectors import lastgasp
+from collectors import lastgasp, osexit
 from collectors.config import ProbeConfig
 from collectors.identity import Identity, detect
 from collectors.probe import Probe
@@ -88,6 +88,10 @@ def start(
     detected (Ray Train, then ``torch.distributed``/torchrun, then a single process);
     ``rank``, ``world_size`` and ``local_rank`` override it. Other keyword arguments
     are :class:`ProbeConfig` fields. Never raises because of the hub.
+
+    The probe closes at the interpreter's exit (``atexit``), says goodbye on a
+    launcher's SIGTERM (:mod:`collectors.lastgasp`) and before ``os._exit(0)``
+    (:mod:`collectors.osexit`), each within a small budget.
     """
     global _probe
     with _lock:
@@ -106,6 +110,7 @@ def start(
         atexit.register(probe.close, reason="exit")
         _install_excepthook()
         lastgasp.install(probe)  # a goodbye on a launcher's SIGTERM, if the job has no handler
+        osexit.install(probe)  # and before os._exit(0), within osexit.GOODBYE_S
         _probe = probe
         return probe
 

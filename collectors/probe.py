@@ -581,19 +581,20 @@ class Probe:
         """Counters: records sent, dropped (buffer full, hub unreachable), frames, connects."""
         return {"dropped_buffer": self.dropped_buffer, **self._sender.stats()}
 
-    def last_word(self, error: str, timeout: float) -> None:
-        """The process is about to die (a launcher's SIGTERM, :mod:`collectors.lastgasp`):
-        have the sender flush and say goodbye with ``error`` (``reason`` "signal"),
-        waiting for it at most ``timeout`` seconds. Nothing else is undone: the process
-        ends right after. Safe from any thread; once closed, it only waits (as long) for
-        the goodbye that closing sends."""
+    def last_word(self, error: str | None, timeout: float, *, reason: str = "signal"
+                  ) -> None:
+        """The process is about to die (a launcher's SIGTERM, :mod:`collectors.lastgasp`;
+        ``os._exit``): have the sender flush and say goodbye with ``reason`` and
+        ``error`` (None: no error), waiting for it at most ``timeout`` seconds. Nothing
+        else is undone: the process ends right after. Safe from any thread; once closed,
+        it only waits (as long) for the goodbye that closing sends."""
         sender = self._sender
         if self._closed:  # closing already (the interpreter's exit): give its goodbye time
             if sender.is_alive() and threading.current_thread() is not sender:
                 sender.join(timeout)
             return
         self._closed = True
-        self.exit_reason, self.exit_error = "signal", error
+        self.exit_reason, self.exit_error = reason, error
         sender.stop(timeout, wait_s=timeout, sample=False)
 
     def close(self, timeout: float | None = None, *, reason: str = "closed") -> None:

@@ -20,10 +20,15 @@ What it does, in order:
    terminal's foreground while it runs, as a shell does for a job: Ctrl-C reaches the
    command directly (once), it can read the terminal (``pdb``), and Ctrl-Z stops it and
    ``rtop run`` together (``fg`` continues both).
-4. **At the end**, the ranks' last frames are taken in, the hub stops, the recording's
+4. **At the end**, the ranks' last frames are taken in, its own hub is told the
+   command's exit code (a ``job_exit`` frame, recorded: with code 0, ranks whose
+   connections closed without a goodbye as the command ended, such as a script's
+   ``os._exit(0)`` that skips the collectors' own, ended with the job and are not
+   lost; see ``rtop.run.state.RunState.on_job_exit``), the hub stops, the recording's
    path is printed on stderr, and ``rtop run`` exits with the command's exit code
    (128 + N for a command killed by signal N, as a shell does; 127 for a command that
-   is not found, 126 for one that cannot be run).
+   is not found, 126 for one that cannot be run). A hub given with ``--hub`` is not
+   told: it may watch more than this command.
 """
 
 from __future__ import annotations
@@ -122,8 +127,10 @@ class _OwnHub:
     def record(self) -> str | None:
         return self.hub.record_path
 
-    def finish(self) -> int | None:
-        """Take in the ranks' last frames, stop the hub; how many ranks it heard from."""
+    def finish(self, code: int | None = None, exited_at: float | None = None) -> int | None:
+        """Take in the ranks' last frames, tell the hub the command's exit ``code`` (at
+        ``exited_at``, wall-clock time; None: it did not run), stop the hub; how many
+        ranks it heard from."""
         seen: int | None = None
         try:
             deadline = time.monotonic() + DRAIN_S
@@ -131,6 +138,8 @@ class _OwnHub:
                 if not self.hub.call(lambda h: len(h.rank_connections())):
                     break
                 time.sleep(0.05)
+            if code is not None:
+                self.hub.call(lambda h: h.job_exited(code, exited_at))
             seen = int(self.hub.call(lambda h: h.snapshot()["run"]["ranks_seen"]))
         except Exception as exc:  # the hub's thread ended: the recording says what it got
             say(f"the hub ended early: {exc}")
@@ -150,8 +159,9 @@ class _GivenHub:
         held = auth.token_role(self.token)
         return self.address, self.token if held else auth.role_token(self.token, "ingest")
 
-    def finish(self) -> int | None:
-        """What the hub says of the run, if this token may view it."""
+    def finish(self, code: int | None = None, exited_at: float | None = None) -> int | None:
+        """What the hub says of the run, if this token may view it (the command's exit
+        is not told: that hub may watch more than this command)."""
         if auth.token_role(self.token) == "ingest":
             return None
         from rtop.client import HubClient, HubError
@@ -323,10 +333,12 @@ def main(argv_after_dashdash: list[str], *, record: str | None, hub: str | None,
         f"{' attach ' + address if isinstance(picked, _GivenHub) else ''}); "
         f"recording: {where}")
     code = 130
+    exited_at: float | None = None
     try:
         code = run_command(argv, command_env(os.environ, address, ingest))
+        exited_at = time.time()
     finally:
-        seen = picked.finish()
+        seen = picked.finish(code if exited_at is not None else None, exited_at)
         if picked.record:
             say(f"recording: {picked.record}  (rtop report {shlex.quote(picked.record)})")
         elif isinstance(picked, _GivenHub):

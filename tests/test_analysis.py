@@ -21,7 +21,7 @@ from tests.rankclient import gpu_row, hb_row, identity
 NOW = 1_800_000_000.0
 
 
-def steps(rank_figures: dict[int, dict[str, float]], n: int = 20, t0: float = NOW,
+def steps(rank_figures: dict[int, dict[str, float]], n: int = 30, t0: float = NOW,
           step_s: float = 0.1) -> dict[int, list[list]]:
     out = {}
     for rank, fig in rank_figures.items():
@@ -49,8 +49,8 @@ def state_with(rank_steps: dict[int, list[list]], gpus: dict[int, list] | None =
         st.apply(wire.Frame("hello", {"identity": ident}), t)
     for rank, rows in rank_steps.items():
         batch = {"rank": rank, "group": "g0", "steps": rows}
-        if gpus and rank in gpus:
-            batch["gpu"] = [gpus[rank]]
+        if gpus and rank in gpus:  # one sample, or several (a list of rows)
+            batch["gpu"] = gpus[rank] if isinstance(gpus[rank][0], list) else [gpus[rank]]
         if mems and rank in mems:
             batch["mem"] = mems[rank]
         if hbs and rank in hbs:
@@ -106,9 +106,14 @@ def test_straggler_blamed_on_throttled_clocks():
     slow[GPU_FIELDS.index("sm_clock_mhz")] = 1200
     slow[GPU_FIELDS.index("clock_event_reasons")] = 0x4 | 0x20  # sw power cap, sw thermal
     slow[GPU_FIELDS.index("power_w")] = 699.0
-    gpus = {0: gpu_row(), 1: gpu_row(), 2: slow, 3: gpu_row()}
+    before = list(slow)
+    before[GPU_FIELDS.index("t_wall")] -= 1.0
+    # two samples a second apart (one sample never makes a throttled GPU: issue 26)
+    gpus = {0: gpu_row(), 1: gpu_row(), 2: [before, slow], 3: gpu_row()}
     found = kinds(evaluate(state_with(steps(fig), gpus), AnalysisConfig()))
     assert set(found) == {"straggler", "gpu_throttled"}
+    assert "gpu_throttled" not in kinds(evaluate(state_with(steps(fig), {
+        0: gpu_row(), 1: gpu_row(), 2: slow, 3: gpu_row()}), AnalysisConfig()))
     s = found["straggler"]
     assert s.ranks == [2]
     assert "1200 of 1980 MHz" in s.evidence["cause"]
@@ -263,7 +268,10 @@ def test_onset_and_clear_do_not_flap():
     assert [f.kind for f in evaluate(state_with(between), cfg, {"starved_rank": {0}})] == \
         ["starved_rank"]
     t = NOW
-    assert analyzer.update(state_with(starved), t) == []  # one evaluation: not yet
+    # a starved rank is judged over its own recent steps (persistence, issue 26): 20 of
+    # them held, so the first evaluation names it; a kind judged on medians alone waits
+    # for onset_evals evaluations (below)
+    assert [f["kind"] for f in analyzer.update(state_with(starved), t)] == ["starved_rank"]
     assert [f["kind"] for f in analyzer.update(state_with(starved), t + 0.5)] == ["starved_rank"]
     assert [f["kind"] for f in analyzer.update(state_with(between), t + 1.0)] == \
         ["starved_rank"]  # kept by the lower clear threshold
@@ -271,6 +279,13 @@ def test_onset_and_clear_do_not_flap():
     assert analyzer.update(state_with(healthy), t + 7.0) == []
     [episode] = analyzer.all_episodes()
     assert episode["since"] == t and not episode["active"]
+    # low efficiency (medians, no persistence of its own): two evaluations in a row
+    slow = steps({0: {"comm_exposed_s": 0.06, "comm_s": 0.06},
+                  1: {"comm_exposed_s": 0.06, "comm_s": 0.06}})
+    eff = Analyzer(cfg)
+    assert eff.update(state_with(slow), t) == []  # one evaluation: not yet
+    assert [f["kind"] for f in eff.update(state_with(slow), t + 0.5)] == \
+        ["low_scaling_efficiency"]
 
 
 def test_thresholds_are_configurable_and_checked(tmp_path, monkeypatch):

@@ -173,7 +173,7 @@ def test_lost_rank_counts_every_follower():
         "after it.")
     ev = {"ranks": {"1": {"last_step": None, "silent_s": None}}, "lost_after_them": [3]}
     assert wording.summary("lost_rank", [1], ev) == (
-        "Rank 1 stopped reporting (last step n/a, n/a s ago): the process likely died or its "
+        "Rank 1 stopped reporting (no step reported, n/a s ago): the process likely died or its "
         "node went away; the others will block in the next collective. 1 more rank went "
         "after it.")
 

@@ -1,10 +1,16 @@
 """Every threshold the diagnosis uses, with its default and what it means.
 
-A finding starts when its condition holds at ``onset_evals`` evaluations in a row and
-ends when it has not held for ``clear_s`` seconds; while it is active its ranks are
-judged against thresholds eased by the kind's ``*_clear`` factor (under 1 where a high
-figure flags, over 1 where a low one does), so a figure hovering at the limit does not
-make a finding flap. Every number that decides a finding is a field here. Override any
+A rank is judged against its peers (the median of the other ranks, and their spread as
+1.4826 x the median absolute deviation, so a noisy fleet gets a wider band than a quiet
+one) and over time: a rank fault needs its condition in at least ``persist_min_steps``
+of its recent steps and ``*_min_fraction`` of them, the newest included (a GPU's clocks:
+its last ``throttle_samples`` samples), so one hiccup is never a fault. A finding starts
+when its condition holds at ``onset_evals`` evaluations in a row and ends when it has
+not held for ``clear_s`` seconds; while it is active its ranks are judged against
+thresholds eased by the kind's ``*_clear`` factor (under 1 where a high figure flags,
+over 1 where a low one does), so a figure hovering at the limit does not make a finding
+flap. A condition most ranks share is one finding about the job, not hundreds of rank
+faults. Every number that decides a finding is a field here. Override any
 field with ``AnalysisConfig(**changes)``, from a JSON file (``rtop serve --thresholds
 FILE``, ``rtop report --thresholds FILE``) or ``RTOP_THRESHOLDS='{"straggler_ratio": 1.5}'``.
 """
@@ -37,6 +43,8 @@ class AnalysisConfig:
     recent_max_steps: int = 20  # ... and at most this many
     onset_evals: int = 2  # consecutive evaluations (0.5 s apart live) before a finding starts
     clear_s: float = 5.0  # a finding ends after its condition has not held this long
+    # persistence: a rank fault holds in at least this many of its recent steps ...
+    persist_min_steps: int = 2
     # lost_rank
     # ranks lost this soon after the first are named with it when they went silent (their
     # order is not known finer than their batches), or when their connections closed and
@@ -50,6 +58,8 @@ class AnalysisConfig:
     starved_ratio: float = 3.0  # data wait at least this many times the others' median
     starved_min_wait_s: float = 0.005  # ... and at least this long
     starved_min_share: float = 0.15  # ... and at least this share of the rank's step
+    starved_z: float = 6.0  # ... and this many robust spreads (MAD) above its peers
+    starved_min_fraction: float = 0.6  # ... in at least this share of its recent steps
     starved_clear: float = 0.7  # active findings use thresholds times this
     input_bound_share: float = 0.15  # every rank's data wait above this share of its step
     input_bound_fraction: float = 0.75  # ... for at least this fraction of the ranks
@@ -57,7 +67,8 @@ class AnalysisConfig:
     straggler_ratio: float = 1.3  # compute at least this many times the others' median
     straggler_min_excess_s: float = 0.005  # ... and at least this much longer
     straggler_min_share: float = 0.10  # ... and the excess at least this share of its step
-    straggler_min_fraction: float = 0.75  # ... in at least this share of its recent steps
+    straggler_z: float = 6.0  # ... and this many robust spreads (MAD) above its peers
+    straggler_min_fraction: float = 0.6  # ... in at least this share of its recent steps
     straggler_max_share: float = 0.5  # more than this share of the ranks slow: no straggler
     straggler_clear: float = 0.8  # active findings use thresholds times this
     # straggler: its cause, read from the slow rank's own counters
@@ -84,7 +95,10 @@ class AnalysisConfig:
     headroom_min: float = 0.10  # free memory below this share of capacity
     oom_horizon_steps: float = 20000.0  # memory growth that fills the device within this
     oom_horizon_s: float = 3600.0  # ... or, with no step rate known, within this many seconds
-    mem_trend_samples: int = 20  # samples (about 1 s apart) the growth is fitted on
+    mem_trend_samples: int = 20  # samples (about 1 s apart) the growth is fitted on ...
+    # ... and, where those show no trend (a slow leak), this many
+    mem_trend_long_samples: int = 120
+    mem_trend_long_every_s: float = 5.0  # ... refitted this often (it changes slowly)
     mem_trend_min_samples: int = 10  # ... of which at least this many (after warm-up)
     mem_trend_min_growth: float = 0.02  # growth over the fit at least this share of capacity
     mem_trend_min_r2: float = 0.8  # ... and this straight
@@ -98,7 +112,15 @@ class AnalysisConfig:
     headroom_critical: float = 0.03  # ... or less than this share of capacity is free
     # gpu_throttled
     throttle_clock_ratio: float = 0.9  # SM clock below this share of its max, with a reason
+    # ... and this far (share of max) below its peers' median clock (a fleet that runs
+    # power-capped, every GPU at ~92 %, is no fleet of throttled GPUs) ...
+    throttle_peer_drop: float = 0.08
+    throttle_samples: int = 2  # ... in each of its last this many GPU samples (~1 s apart)
     throttle_clear: float = 1.05  # active: throttle_clock_ratio times this
+    # this share of the GPUs or more under their max clock with a throttle reason (the
+    # power cap, heat): one fact about the job, not a fault of each rank
+    throttle_fleet_fraction: float = 0.75
+    throttle_fleet_ratio: float = 0.98  # ... "under" meaning below this share of the max
     # hung_rank
     hung_min_s: float = 30.0  # a phase longer than the larger of this ...
     hung_step_multiple: float = 10.0  # ... and this many median steps

@@ -20,7 +20,7 @@ import numpy as np
 
 from collectors.nvml import THROTTLE_REASONS, decode_reasons
 from rtop.analysis import links as probe_links
-from rtop.analysis import wording
+from rtop.analysis import peers, wording
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.kinds import KINDS
 from rtop.analysis.window import Window, measured
@@ -237,54 +237,102 @@ def hung_rank(ctx: Context) -> Finding | None:
 
 # ---- input ---------------------------------------------------------------------------
 
+def _cost(excess_s: float | None, step_s: float | None) -> dict[str, float | None]:
+    """What a finding costs the job per step: seconds, and as a share of its step (the
+    throughput it would gain back)."""
+    share = excess_s / step_s if measured(excess_s) and measured(step_s) and step_s > 0 \
+        else None
+    return {"s_per_step": _f(excess_s), "share": _f(share)}
+
+
+def _scope(w: Window, flagged: list[int]) -> tuple[str, dict[str, list[int]]]:
+    """"node" when the flagged ranks are whole nodes (of two ranks or more), else
+    "rank"; and those nodes with their ranks."""
+    nodes = peers.whole_nodes(w.node_of, w.node, flagged)
+    covered = sum(len(v) for v in nodes.values())
+    return ("node" if nodes and covered == len(flagged) else "rank"), {
+        node: [int(w.rank[i]) for i in idx] for node, idx in nodes.items()}
+
+
+def _where(w: Window, flagged: list[int]) -> dict[str, Any]:
+    """Where the flagged ranks are, for the evidence and the wording: how many, on how
+    many nodes, and the nodes they fill whole."""
+    scope, nodes = _scope(w, flagged)
+    return {"scope": scope, "rank_count": len(flagged),
+            "node_count": len({w.node_of[i] for i in flagged}),
+            "whole_nodes": {k: v for k, v in list(nodes.items())[:MAX_EVIDENCE_LIST]},
+            "whole_node_count": len(nodes)}
+
+
 def input_findings(ctx: Context) -> list[Finding]:
-    """``input_bound`` when (nearly) every rank waits for data, else ``starved_rank``."""
+    """``input_bound`` when (nearly) every rank waits for data, else ``starved_rank``:
+    a rank whose wait stands out from its peers' (their median and spread) in most of
+    its recent steps, the newest included."""
     w, cfg = ctx.w, ctx.cfg
     ok = ctx.judged()
     dw, st = w.steps["data_wait_s"], w.steps["step_s"]
     if not ok.any() or np.isnan(dw[ok]).all():
         return []
+    rec_dw, rec_st = w.recent["data_wait_s"], w.recent["step_s"]
+    valid = ~np.isnan(rec_dw)
     with np.errstate(invalid="ignore", divide="ignore"):
         share = dw / st
-    waiting = ok & (dw >= cfg.starved_min_wait_s) & (share >= cfg.input_bound_share)
+        rec_share = rec_dw / rec_st
+    waits = (rec_dw >= cfg.starved_min_wait_s) & (rec_share >= cfg.input_bound_share)
+    waiting, _ = peers.persistent(waits, valid, cfg.persist_min_steps,
+                                  cfg.input_bound_fraction, newest=False)
+    waiting &= ok
     n_ok = int(ok.sum())
     # one rank alone is input-bound when it waits; of several, enough of them (at least 2)
     if (n_ok >= 2 and waiting.sum() >= max(2, math.ceil(cfg.input_bound_fraction * n_ok))) \
             or (n_ok == 1 and waiting.any()):
         ranks = [int(r) for r in w.rank[ok]]
         med_share = _nanmedian(share[ok])
+        med_wait = _nanmedian(dw[ok])
         ev_in: dict[str, Any] = {
-            "data_wait_s_median": _f(_nanmedian(dw[ok])), "data_wait_share_median": _f(med_share),
+            "data_wait_s_median": _f(med_wait), "data_wait_share_median": _f(med_share),
             "step_s_median": _f(_nanmedian(st[ok])), "ranks_waiting": int(waiting.sum()),
-            "ranks": n_ok,
+            "ranks": n_ok, "scope": "job",
+            "cost": _cost(med_wait, _nanmedian(st[ok])),
             "loader_cpu_pct_median": _f(_nanmedian(w.latest["host_loader_cpu_pct"][ok]))}
         return [Finding.of("input_bound", ranks, ev_in, impact=med_share)]
-    others = w.others_median(np.where(ok, dw, np.nan))
+    center, spread = peers.baseline(dw, ok)
     k = ctx.factors("starved_rank", cfg.starved_clear)
-    base = np.where(np.isnan(others), 0.0, others)
+    limit = peers.limit_above(center, spread, cfg.starved_ratio, cfg.starved_z, 0.0) * k
+    limit = np.maximum(limit, cfg.starved_min_wait_s * k)
     with np.errstate(invalid="ignore"):
-        hit = ok & (dw >= np.maximum(cfg.starved_min_wait_s * k, cfg.starved_ratio * k * base)) \
-            & (share >= cfg.starved_min_share * k)
+        anomalous = (rec_dw >= limit[:, None]) & (rec_share >= (cfg.starved_min_share * k)[
+            :, None])
+    fraction = np.where(k < 1, cfg.starved_min_fraction * cfg.starved_clear,
+                        cfg.starved_min_fraction)
+    held, frac = peers.persistent(anomalous, valid, cfg.persist_min_steps, 0.0)
+    hit = ok & held & (frac >= fraction)
     flagged = sorted(np.flatnonzero(hit).tolist(), key=lambda i: -dw[i])
     if not flagged:
         return []
     ranks = [int(w.rank[i]) for i in flagged]
     comm = w.steps["comm_s"]
-    peer_comm = _nanmedian(np.delete(comm, flagged)[ok[np.setdiff1d(np.arange(w.n), flagged)]]) \
-        if w.n > len(flagged) else math.nan
+    rest = ok.copy()
+    rest[flagged] = False
+    peer_comm = _nanmedian(comm[rest])
     ev: dict[str, Any] = {"ranks": {str(w.rank[i]): {
-        "node": w.ranks[i].node, "data_wait_s": _f(dw[i]), "peers_data_wait_s": _f(others[i]),
+        "node": w.ranks[i].node, "data_wait_s": _f(dw[i]), "peers_data_wait_s": _f(center[i]),
+        "peers_data_wait_spread_s": _f(spread[i]),
         "step_s": _f(st[i]), "data_wait_share": _f(share[i]), "comm_s": _f(comm[i]),
+        "slow_step_fraction": _f(frac[i]),
         "loader_cpu_pct": _f(w.latest["host_loader_cpu_pct"][i]),
         "loader_procs": _f(w.latest["host_loader_procs"][i]),
         "host_cpu_pct": _f(w.latest["host_sys_cpu_pct"][i]),
-    } for i in flagged[:MAX_EVIDENCE_RANKS]}, "peers_comm_s_median": _f(peer_comm)}
-    return [Finding.of("starved_rank", ranks, ev, impact=share[flagged[0]])]
+    } for i in flagged[:MAX_EVIDENCE_RANKS]}, "peers_comm_s_median": _f(peer_comm),
+        **_where(w, flagged)}
+    i0 = flagged[0]
+    ev["cost"] = _cost(dw[i0] - center[i0] if measured(center[i0]) else dw[i0], st[i0])
+    return [Finding.of("starved_rank", ranks, ev, impact=ev["cost"]["share"] or share[i0])]
 
 
 # ---- compute -------------------------------------------------------------------------
 
-def _straggler_causes(w: Window, i: int, peers: np.ndarray, cfg: AnalysisConfig
+def _straggler_causes(w: Window, i: int, peers_mask: np.ndarray, cfg: AnalysisConfig
                       ) -> tuple[list[str], dict[str, Any]]:
     """What in rank ``i``'s own counters explains its slowness (names of
     ``wording.STRAGGLER_CAUSES``), and those counters."""
@@ -295,8 +343,10 @@ def _straggler_causes(w: Window, i: int, peers: np.ndarray, cfg: AnalysisConfig
     power, limit = lat["gpu_power_w"][i], lat["gpu_power_limit_w"][i]
     temp = lat["gpu_temp_c"][i]
     cpu = lat["host_sys_cpu_pct"][i]
-    peer_cpu = _nanmedian(lat["host_sys_cpu_pct"][peers])
-    peer_gpus = [n for j, n in enumerate(w.gpu_name) if n and peers[j]]
+    peer_cpu = _nanmedian(lat["host_sys_cpu_pct"][peers_mask])
+    peer_clock = _nanmedian(lat["gpu_sm_clock_mhz"][peers_mask])
+    peer_power = _nanmedian(lat["gpu_power_w"][peers_mask])
+    peer_gpus = [n for j, n in enumerate(w.gpu_name) if n and peers_mask[j]]
     common = max(set(peer_gpus), key=peer_gpus.count) if peer_gpus else None
     ev = {"sm_clock_mhz": _f(clock), "sm_clock_max_mhz": _f(clock_max),
           "clock_event_reasons": reasons, "power_w": _f(power), "power_limit_w": _f(limit),
@@ -304,12 +354,18 @@ def _straggler_causes(w: Window, i: int, peers: np.ndarray, cfg: AnalysisConfig
           "host_cpu_pct": _f(cpu),
           "load_avg_1m": _f(lat["host_load_avg_1m"][i]),
           "throttle_reasons": [r for r in reasons if r in THROTTLE_REASONS],
-          "peers_gpu": common, "peers_host_cpu_pct": _f(peer_cpu)}
+          "peers_gpu": common, "peers_host_cpu_pct": _f(peer_cpu),
+          "peers_sm_clock_mhz": _f(peer_clock)}
     causes = []
-    if measured(clock) and measured(clock_max) and clock < cfg.throttle_clock_ratio * clock_max:
+    # its clocks are low, and lower than its peers' (a power-capped fleet is not this
+    # rank's cause)
+    if measured(clock) and measured(clock_max) and clock < cfg.throttle_clock_ratio * clock_max \
+            and not (measured(peer_clock) and clock >= peer_clock - cfg.throttle_peer_drop
+                     * clock_max):
         causes.append("clocks")
     if measured(power) and measured(limit) and limit > 0 \
-            and power >= cfg.cause_power_share * limit:
+            and power >= cfg.cause_power_share * limit \
+            and not (measured(peer_power) and peer_power >= cfg.cause_power_share * limit):
         causes.append("power_cap")
     if measured(temp) and temp >= cfg.cause_temp_c:
         causes.append("hot")
@@ -322,38 +378,42 @@ def _straggler_causes(w: Window, i: int, peers: np.ndarray, cfg: AnalysisConfig
 
 
 def straggler(ctx: Context, starved: set[int]) -> Finding | None:
-    """A rank slower in compute (not data) than the others."""
+    """A rank slower in compute (not data) than the others: above its peers' median (by
+    a ratio, an absolute excess, a share of its step, and their robust spread) in most
+    of its recent steps, the newest included."""
     w, cfg = ctx.w, ctx.cfg
     ok = ctx.judged() & np.array([int(r) not in starved for r in w.rank], dtype=bool)
     comp = np.where(ok, w.steps["compute_s"], np.nan)
     step = w.steps["step_s"]
     if ok.sum() < 2 or np.isnan(comp).all():
         return None
-    others = w.others_median(comp)
+    others, spread = peers.baseline(comp, ok)
     k = ctx.factors("straggler", cfg.straggler_clear)
     excess = comp - others
+    slow_at = peers.limit_above(others, spread, 1 + (cfg.straggler_ratio - 1) * k,
+                                cfg.straggler_z * k, 0.0)
+    slow_at = np.maximum(slow_at, others + cfg.straggler_min_excess_s * k)
     with np.errstate(invalid="ignore"):
-        slow_at = others * (1 + (cfg.straggler_ratio - 1) * k)
-        hit = ok & (comp >= slow_at) \
-            & (excess >= cfg.straggler_min_excess_s * k) \
-            & (np.isnan(step) | (excess >= cfg.straggler_min_share * k * step))
-        # slow in most of its recent steps, not in a burst that tipped the median: a
-        # second of CPU contention slows some rank for ten-odd steps, a straggler stays
-        per_step = w.recent_compute
+        per_step = w.recent["compute_s"]
+        valid = ~np.isnan(per_step)
         slow_step = (per_step >= slow_at[:, None]) \
-            & (per_step - others[:, None] >= (cfg.straggler_min_excess_s * k)[:, None])
-        valid = (~np.isnan(per_step)).sum(axis=1)
-        fraction = np.where(valid > 0, slow_step.sum(axis=1) / np.maximum(valid, 1), 0.0)
-        hit &= fraction >= cfg.straggler_min_fraction * k
+            & (np.isnan(w.recent["step_s"])
+               | (per_step - others[:, None] >= (cfg.straggler_min_share * k)[:, None]
+                  * w.recent["step_s"]))
+        held, fraction = peers.persistent(slow_step, valid, cfg.persist_min_steps, 0.0,
+                                          newest=False)
+        hit = ok & held & (comp >= slow_at) \
+            & (np.isnan(step) | (excess >= cfg.straggler_min_share * k * step)) \
+            & (fraction >= cfg.straggler_min_fraction * k)
     flagged = np.flatnonzero(hit).tolist()
     if not flagged or len(flagged) > max(1, int(cfg.straggler_max_share * ok.sum())):
         return None  # most ranks "slow" is no straggler: the others are fast
     flagged.sort(key=lambda i: -(comp[i] - others[i]))
     ranks = [int(w.rank[i]) for i in flagged]
-    peers = ok.copy()
-    peers[flagged] = False
+    peer_mask = ok.copy()
+    peer_mask[flagged] = False
     i0 = flagged[0]
-    causes, counters = _straggler_causes(w, i0, peers, cfg)
+    causes, counters = _straggler_causes(w, i0, peer_mask, cfg)
     comm = w.steps["comm_s"]
     ev = {"ranks": {str(w.rank[i]): {"node": w.ranks[i].node, "compute_s": _f(comp[i]),
                                      "peers_compute_s": _f(others[i]),
@@ -361,38 +421,80 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
                                      "comm_s": _f(comm[i]),
                                      "slow_step_fraction": _f(fraction[i])}
                     for i in flagged[:MAX_EVIDENCE_RANKS]},
-          "peers_comm_s_median": _f(_nanmedian(comm[peers])),
+          "peers_comm_s_median": _f(_nanmedian(comm[peer_mask])),
           "cause": wording.straggler_cause(causes, counters),
-          "rank_counters": counters, "causes": causes}
-    step0 = step[i0]
-    impact = (comp[i0] - others[i0]) / step0 if measured(step0) and step0 > 0 else 0.0
-    return Finding.of("straggler", ranks, ev, impact=impact)
+          "rank_counters": counters, "causes": causes, **_where(w, flagged),
+          "cost": _cost(comp[i0] - others[i0], step[i0])}
+    return Finding.of("straggler", ranks, ev, impact=ev["cost"]["share"] or 0.0)
 
 
 def gpu_throttled(ctx: Context) -> Finding | None:
-    """GPUs running below max clock with a throttle reason NVML gives."""
+    """GPUs held below their max clock by a throttle reason NVML gives, and below their
+    peers' clocks, in each of their last samples. Most of the fleet under its max clock
+    with a throttle reason (every GPU at the power cap) is one fact about the job."""
     w, cfg = ctx.w, ctx.cfg
     lat = w.latest
     clock, mx, mask = lat["gpu_sm_clock_mhz"], lat["gpu_sm_clock_max_mhz"], \
         lat["gpu_clock_event_reasons"]
-    k = ctx.factors("gpu_throttled", cfg.throttle_clear)
-    with np.errstate(invalid="ignore"):
-        slow = w.active & (clock < cfg.throttle_clock_ratio * k * mx) & ~np.isnan(mask)
-    flagged = []
-    for i in np.flatnonzero(slow).tolist():
-        reasons = [r for r in decode_reasons(int(mask[i])) if r in THROTTLE_REASONS]
-        if reasons:
-            flagged.append((i, reasons))
-    if not flagged:
+    reasons_of: dict[int, list[str]] = {}
+    throttling = np.zeros(w.n, dtype=bool)
+    for i in np.flatnonzero(w.active & ~np.isnan(mask)).tolist():
+        rs = [r for r in decode_reasons(int(mask[i])) if r in THROTTLE_REASONS]
+        if rs:
+            reasons_of[i] = rs
+            throttling[i] = True
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = clock / mx
+        hist = w.clock_history / mx[:, None]
+    gpus = w.active & ~np.isnan(ratio)
+    n_gpus = int(gpus.sum())
+    if not n_gpus:
         return None
-    ranks = [int(w.rank[i]) for i, _ in flagged]
+    fleet = _nanmedian(ratio[gpus])
+    capped = gpus & throttling & (ratio < cfg.throttle_fleet_ratio)
+    fact: dict[str, Any] | None = None
+    if n_gpus >= 2 and capped.sum() >= cfg.throttle_fleet_fraction * n_gpus:
+        counts: dict[str, int] = {}
+        for i in np.flatnonzero(capped).tolist():
+            for r in reasons_of.get(i, ()):
+                counts[r] = counts.get(r, 0) + 1
+        fact = {"gpus": int(capped.sum()), "of": n_gpus, "clock_ratio_median": _f(fleet),
+                "sm_clock_mhz_median": _f(_nanmedian(clock[gpus])),
+                "sm_clock_max_mhz": _f(_nanmedian(mx[gpus])),
+                "reasons": sorted(counts, key=lambda r: -counts[r])}
+    k = ctx.factors("gpu_throttled", cfg.throttle_clear)
+    bar = cfg.throttle_clock_ratio
+    if measured(fleet) and n_gpus >= 2:
+        bar = min(bar, fleet - cfg.throttle_peer_drop)
+    limit = bar * k
+    with np.errstate(invalid="ignore"):
+        samples = ~np.isnan(hist)
+        low = np.where(samples, hist < limit[:, None], True)
+        enough = samples.sum(axis=1) >= min(cfg.throttle_samples, hist.shape[1])
+        slow = gpus & throttling & (ratio < limit) & low.all(axis=1) & enough
+    flagged = [i for i in np.flatnonzero(slow).tolist()]
+    if not flagged and fact is None:
+        return None
+    if not flagged:
+        assert fact is not None
+        ev_job = {**fact, "scope": "job", "cost": _cost(None, None)}
+        return Finding.of("gpu_throttled", [int(r) for r in w.rank[gpus]], ev_job,
+                          impact=0.0, severity="info")
+    flagged.sort(key=lambda i: ratio[i])
+    ranks = [int(w.rank[i]) for i in flagged]
     ev = {"ranks": {str(w.rank[i]): {
         "node": w.ranks[i].node, "sm_clock_mhz": _f(clock[i]), "sm_clock_max_mhz": _f(mx[i]),
-        "reasons": reasons, "power_w": _f(lat["gpu_power_w"][i]),
+        "reasons": reasons_of[i], "power_w": _f(lat["gpu_power_w"][i]),
         "power_limit_w": _f(lat["gpu_power_limit_w"][i]), "temp_c": _f(lat["gpu_temp_c"][i]),
-    } for i, reasons in flagged[:MAX_EVIDENCE_RANKS]}}
-    i0 = flagged[0][0]
-    return Finding.of("gpu_throttled", ranks, ev, impact=1 - clock[i0] / mx[i0])
+        "peers_clock_ratio": _f(fleet),
+    } for i in flagged[:MAX_EVIDENCE_RANKS]}, **_where(w, flagged), "fleet": fact}
+    i0 = flagged[0]
+    # a GPU at a share of its peers' clock computes about that much slower; the job
+    # waits for it when it is the slowest
+    slower = 1 - ratio[i0] / fleet if measured(fleet) and fleet > 0 else 1 - ratio[i0]
+    comp = w.steps["compute_s"][i0]
+    ev["cost"] = _cost(comp * slower if measured(comp) else None, w.steps["step_s"][i0])
+    return Finding.of("gpu_throttled", ranks, ev, impact=ev["cost"]["share"] or slower)
 
 
 # ---- fabric and scaling ----------------------------------------------------------------

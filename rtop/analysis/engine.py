@@ -21,8 +21,8 @@ from typing import Any, TypeVar, cast
 
 from rtop.analysis import detectors as d
 from rtop.analysis.config import AnalysisConfig
-from rtop.analysis.kinds import SEVERITY_ORDER
-from rtop.analysis.window import take
+from rtop.analysis.kinds import KINDS, SEVERITY_ORDER
+from rtop.analysis.window import TrendCache, take
 from rtop.run.snapshot import EpisodeDict, FindingDict, Overview, Scaling, Severity
 from rtop.run.state import RunState
 
@@ -58,7 +58,8 @@ ERRORS = DetectorErrors()
 
 def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] | None = None,
              now: float | None = None, overview: Overview | None = None,
-             errors: DetectorErrors | None = None) -> list[d.Finding]:
+             errors: DetectorErrors | None = None,
+             cache: TrendCache | None = None) -> list[d.Finding]:
     """Every finding whose condition holds now (no onset/clear).
 
     ``overview``, when given, is filled with what a viewer shows whether or not anything
@@ -67,7 +68,7 @@ def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] |
     own finding only (counted and logged once in ``errors``).
     """
     run = (errors or ERRORS).run
-    w = run("window", take, state, cfg, now, default=None)
+    w = run("window", take, state, cfg, now, cache, default=None)
     if w is None or w.n == 0:
         return []
     ctx = d.Context(w, cfg, active or {}, links=state.links)
@@ -155,6 +156,8 @@ class Analyzer:
         self.overview: Overview = {}
         #: detectors that failed, and how often (each is logged once)
         self.errors = DetectorErrors()
+        #: the slow part of a window kept between evaluations (the long memory fit)
+        self.cache = TrendCache()
 
     def update(self, state: RunState, now: float | None = None) -> list[EpisodeDict]:
         """Evaluate once; return the active findings, worst first."""
@@ -162,7 +165,7 @@ class Analyzer:
         t0 = time.perf_counter()
         overview: Overview = {}
         found = evaluate(state, self.cfg, {k: ep.ranks for k, ep in self.active.items()}, t,
-                         overview, self.errors)
+                         overview, self.errors, self.cache)
         self.overview = overview
         self.last_eval_s = time.perf_counter() - t0
         seen = set()
@@ -176,7 +179,7 @@ class Analyzer:
                 ep.ranks = set(f.ranks)
                 if SEVERITY_ORDER[f.severity] > SEVERITY_ORDER[ep.worst]:
                     ep.worst = f.severity
-            elif count + 1 >= self.cfg.onset_evals:
+            elif count + 1 >= (1 if KINDS[f.kind].persists else self.cfg.onset_evals):
                 ep = Episode(f.kind, first, t, f.to_dict(), set(f.ranks), f.severity)
                 self.active[f.kind] = ep
                 self.episodes.append(ep)
@@ -188,6 +191,23 @@ class Analyzer:
             if kind not in seen and t - ep.last > self.cfg.clear_s:
                 ep.ended = t
                 del self.active[kind]
+        return self.current()
+
+    def withdraw(self, kind: str, ranks: set[int], since: float) -> list[EpisodeDict]:
+        """Take back the findings of ``kind`` that started at or after ``since`` and named
+        no rank but ``ranks`` (the run's own word says they were no fault: ranks lost as
+        their command exited 0), active or ended, as if they never started; return the
+        active findings, worst first."""
+        gone = [ep for ep in self.episodes
+                if ep.kind == kind and ep.since >= since and ep.ranks <= ranks]
+        for ep in gone:
+            self.episodes.remove(ep)
+            if self.active.get(kind) is ep:
+                del self.active[kind]
+                self._streak.pop(kind, None)
+        starts = {ep.since for ep in gone}
+        self.onsets = [(t, f) for t, f in self.onsets
+                       if not (f["kind"] == kind and f["since"] in starts)]
         return self.current()
 
     def current(self) -> list[EpisodeDict]:

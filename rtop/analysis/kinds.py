@@ -30,6 +30,10 @@ class Kind:
     fix: str
     #: how serious its badge is against the others' (higher first); 0 without a badge
     badge_weight: int = 0
+    #: its detector requires the condition over several of each rank's steps (or
+    #: samples) itself: the finding starts at the first evaluation that holds, rather
+    #: than after ``onset_evals`` of them (which would count the persistence twice)
+    persists: bool = False
 
 
 KINDS: Final[dict[str, Kind]] = {k.name: k for k in (
@@ -37,18 +41,18 @@ KINDS: Final[dict[str, Kind]] = {k.name: k for k in (
          "Give {ranks}'s input more throughput: raise DataLoader num_workers and "
          "prefetch_factor (Ray Data: prefetch_batches), cache or move its shard to faster "
          "local storage, and check node {node}'s CPU and disk: its loader competes there.",
-         badge_weight=3),
+         badge_weight=3, persists=True),
     Kind("input_bound", "", False, "warning",
          "Feed faster: more DataLoader workers (num_workers) and prefetch_factor, or Ray "
          "Data prefetch_batches; cheaper decoding and augmentation (or move it to the "
          "GPU); faster or local storage. More GPUs will not help until the pipeline keeps "
-         "up."),
+         "up.", persists=True),
     Kind("straggler", "STRAGGLER", True, "warning",
          "If clocks or power are the cause: check cooling, the power cap and nvidia-smi -q "
          "-d PERFORMANCE on that node. A different GPU model: keep the job on identical "
          "GPUs. Host CPU: stop or pin what competes. Otherwise look for uneven batch "
          "shapes, or drain the node and compare.",
-         badge_weight=2),
+         badge_weight=2, persists=True),
     Kind("slow_link", "", False, "warning",
          "Check the links and NICs between the nodes (ethtool, ibstat), that NCCL uses the "
          "fast interface (NCCL_DEBUG=INFO, NCCL_SOCKET_IFNAME, NCCL_IB_HCA), and keep the "
@@ -69,7 +73,7 @@ KINDS: Final[dict[str, Kind]] = {k.name: k for k in (
          "Power cap: check the board's limit (nvidia-smi -q -d POWER) and the node's power "
          "budget. Thermal: check fans, inlet temperature and airflow. A throttled GPU makes "
          "its rank a straggler for the whole job.",
-         badge_weight=1),
+         badge_weight=1, persists=True),
     Kind("hung_rank", "HUNG", True, "critical",
          "Read the stack in the evidence: it shows where the rank waits. Usual causes: a "
          "data-loader worker deadlocked or a hung filesystem read, a collective that only "

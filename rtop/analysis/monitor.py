@@ -5,6 +5,10 @@ goes into the :class:`~rtop.run.state.RunState`, and every half second of the hu
 time the silent ranks are marked lost and the diagnosis runs once. A :class:`Monitor`
 is that, written once; the three differ only in where frames and time come from (a
 socket and the wall clock, or a recording and its ``clock`` frames).
+
+Once the run's command has exited 0 (a ``job_exit`` frame, ``rtop run``'s word), a
+``lost_rank`` finding that only the ranks its exit ended made is withdrawn at the next
+evaluation (``Analyzer.withdraw``): those ranks finished, they were not lost.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from collectors import wire
+from rtop.analysis import window
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.engine import Analyzer
 from rtop.analysis.links import view as links_view
@@ -27,10 +32,10 @@ from rtop.run.snapshot import (
     ReplayInfo,
     Snapshot,
 )
-from rtop.run.state import RankState, RunState
+from rtop.run.state import JobExit, RankState, RunState
 
 #: Seconds of the hub's time between two evaluations of the diagnosis.
-EVAL_EVERY_S: Final = 0.5
+EVAL_EVERY_S: Final = window.EVAL_EVERY_S
 
 log = logging.getLogger("rtop.analysis")
 
@@ -43,6 +48,8 @@ class Evaluation:
     lost: list[RankState] = field(default_factory=list)
     started: list[EpisodeDict] = field(default_factory=list)
     cleared: list[str] = field(default_factory=list)
+    #: findings taken back: their ranks ended with the job (its command exited 0)
+    withdrawn: list[str] = field(default_factory=list)
 
 
 class Monitor:
@@ -60,6 +67,7 @@ class Monitor:
         self._next_eval = -math.inf
         self._findings: list[EpisodeDict] = []
         self.failures = 0  # evaluations that failed as a whole (logged once)
+        self._withdrawn_for: JobExit | None = None  # the job exit already acted on
 
     # ---- frames and time ----------------------------------------------------------------
 
@@ -90,6 +98,7 @@ class Monitor:
         before = set(self.analyzer.active)
         try:
             self._findings = self.analyzer.update(self.state, t)
+            out.withdrawn = self._withdraw_ended()
         except Exception:
             self.failures += 1
             if self.failures == 1:
@@ -97,8 +106,22 @@ class Monitor:
                               "until it works again (logged once)")
             return out
         out.started = [f for f in self._findings if f["kind"] not in before]
-        out.cleared = [kind for kind in before if kind not in self.analyzer.active]
+        out.cleared = [kind for kind in before if kind not in self.analyzer.active
+                       and kind not in out.withdrawn]
         return out
+
+    def _withdraw_ended(self) -> list[str]:
+        """Once per job exit: withdraw the ``lost_rank`` finding that only ranks the
+        command's exit 0 ended made; the kinds withdrawn."""
+        ended = self.state.job_exit
+        if ended is None or ended is self._withdrawn_for or self.analyzer is None:
+            return []
+        self._withdrawn_for = ended
+        if not ended.ended or ended.since is None:
+            return []
+        had = len(self.analyzer.episodes)
+        self._findings = self.analyzer.withdraw("lost_rank", set(ended.ended), ended.since)
+        return ["lost_rank"] if len(self.analyzer.episodes) < had else []
 
     # ---- what viewers see ---------------------------------------------------------------
 

@@ -18,6 +18,9 @@ from rtop.run.ring import nanmedian_rows
 from rtop.run.state import LATEST, RankState, RunState
 
 _LATEST = {f: i for i, f in enumerate(LATEST)}
+#: How often the diagnosis runs (``rtop.analysis.monitor.EVAL_EVERY_S``, which imports
+#: this module): the long memory fit is refitted a slice per evaluation.
+EVAL_EVERY_S = 0.5
 _STEP_FIGURES = ("step_s", "data_wait_s", "compute_s", "comm_s", "comm_exposed_s",
                  "comm_bytes", "busbw_Bps")
 
@@ -42,7 +45,9 @@ class Window:
     world_size: int
     steps: dict[str, np.ndarray]  # recent medians: step_s, data_wait_s, ...
     n_recent: np.ndarray  # steps the medians are taken over
-    recent_compute: np.ndarray  # (n, k): compute_s of each of those steps, NaN elsewhere
+    #: (n, k): each recent step's figures (step_s, data_wait_s, compute_s), NaN where a
+    #: step is not among the recent ones; oldest first
+    recent: dict[str, np.ndarray]
     step_rate: np.ndarray  # steps per second, recent
     latest: dict[str, np.ndarray]  # latest samples: gpu_util_pct, mem_peak_bytes, ...
     phase: list[str | None]
@@ -52,6 +57,9 @@ class Window:
     mem_r2: np.ndarray  # straightness of the fit
     gpu_name: list[str | None]
     nvlink: np.ndarray  # active NVLink links per rank's GPU (0 when none, NaN unknown)
+    #: (n, m): the SM clock of each rank's last ``throttle_samples`` GPU samples, oldest
+    #: first (NaN where missing)
+    clock_history: np.ndarray
 
     @property
     def n(self) -> int:
@@ -83,7 +91,8 @@ def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Medians over each rank's steps of the last ``recent_s`` seconds (at least
     ``recent_min_steps``, at most ``recent_max_steps``), their count, step rate, and
-    the compute figure of each of those steps (``(n, k)``, NaN where dropped)."""
+    the figures of each of those steps (``(n, k, figures)`` in ``_STEP_FIGURES``' order,
+    NaN where dropped)."""
     rings = state.steps
     k = cfg.recent_max_steps
     names = ["t_wall", *_STEP_FIGURES]
@@ -106,13 +115,14 @@ def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
         np.where(valid, t, np.inf), axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         rate = np.where((count > 1) & (span > 0), (count - 1) / span, np.nan)
-    return med, count, rate, last[:, :, 1 + _STEP_FIGURES.index("compute_s")].astype(np.float64)
+    return med, count, rate, last[:, :, 1:].astype(np.float64)
 
 
-def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, cfg: AnalysisConfig
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Least-squares growth of device memory used over the last samples, per rank."""
-    n_samples = cfg.mem_trend_samples
+def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, cfg: AnalysisConfig,
+               n_samples: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Least-squares growth of device memory used over the last ``n_samples`` samples
+    (default ``mem_trend_samples``), per rank."""
+    n_samples = n_samples or cfg.mem_trend_samples
     last = state.samples.last(slots, n_samples, ["t_wall", "mem_used_bytes"]
                               ).astype(np.float64)
     t, y = last[:, :, 0], last[:, :, 1]
@@ -149,29 +159,85 @@ def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, cfg: 
     return slope, slope * span, r2
 
 
-def take(state: RunState, cfg: AnalysisConfig, now: float | None = None) -> Window:
-    """Read the current attempt's ranks out of the run state."""
+@dataclass
+class TrendCache:
+    """The long memory fit (``mem_trend_long_samples`` samples per rank, ~1 s apart: the
+    dearest part of a window at thousands of ranks), kept between evaluations and
+    refitted a slice of the ranks at a time, so that every rank is refitted within
+    ``mem_trend_long_every_s`` of hub time and no evaluation pays for all of them. A new
+    set of ranks is fitted whole. The analyzer owns one
+    (:class:`rtop.analysis.engine.Analyzer`)."""
+
+    t: float = -math.inf
+    slots: np.ndarray | None = None
+    fit: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    turn: int = 0
+
+    def long_fit(self, state: RunState, ranks: list[RankState], slots: np.ndarray,
+                 cfg: AnalysisConfig, t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The long fit of ``ranks`` as of about ``t``."""
+        if self.fit is None or self.slots is None or t < self.t \
+                or not np.array_equal(self.slots, slots):
+            self.fit = _mem_trend(state, ranks, slots, cfg, cfg.mem_trend_long_samples)
+            self.t, self.slots, self.turn = t, slots.copy(), 0
+            return self.fit
+        if t - self.t < EVAL_EVERY_S:
+            return self.fit
+        parts = max(1, round(cfg.mem_trend_long_every_s / EVAL_EVERY_S))
+        self.turn = (self.turn + 1) % parts
+        idx = np.arange(self.turn, len(ranks), parts)
+        if len(idx):
+            part = _mem_trend(state, [ranks[i] for i in idx.tolist()], slots[idx], cfg,
+                              cfg.mem_trend_long_samples)
+            for whole, new in zip(self.fit, part, strict=True):
+                whole[idx] = new
+        self.t = t
+        return self.fit
+
+
+def take(state: RunState, cfg: AnalysisConfig, now: float | None = None,
+         cache: TrendCache | None = None) -> Window:
+    """Read the current attempt's ranks out of the run state (``cache``: the long memory
+    fit of an earlier evaluation, reused while fresh)."""
     t = state.now if now is None else now
     ranks = sorted(state.active_ranks(), key=lambda r: r.rank)
     n = len(ranks)
     slots = np.array([r.slot if r.slot is not None else 0 for r in ranks], dtype=np.int64)
     names: dict[str, int] = {}
     node_of = np.array([names.setdefault(r.node, len(names)) for r in ranks], dtype=np.int64)
+    k_steps = max(1, min(cfg.recent_max_steps, state.steps.window))
     if n:
-        med, count, rate, compute = _recent_medians(state, ranks, slots, cfg)
+        med, count, rate, per_step = _recent_medians(state, ranks, slots, cfg)
         latest = state.latest[slots]
         slope, growth, r2 = _mem_trend(state, ranks, slots, cfg)
+        # a slow leak grows too little over the short fit to tell from noise: where the
+        # short fit shows no trend, the long one (over mem_trend_long_samples) is taken
+        cap = latest[:, _LATEST["mem_capacity_bytes"]]
+        with np.errstate(invalid="ignore"):
+            short_ok = (slope > 0) & (growth >= cfg.mem_trend_min_growth * cap) \
+                & (r2 >= cfg.mem_trend_min_r2)
+        if cfg.mem_trend_long_samples > cfg.mem_trend_samples and not short_ok.all():
+            s2, g2, q2 = (cache or TrendCache()).long_fit(state, ranks, slots, cfg, t)
+            slope = np.where(short_ok, slope, s2)
+            growth = np.where(short_ok, growth, g2)
+            r2 = np.where(short_ok, r2, q2)
+        clocks = state.samples.last(slots, max(1, cfg.throttle_samples),
+                                    ["gpu_sm_clock_mhz"])[:, :, 0].astype(np.float64)
     else:
         med = np.empty((0, len(_STEP_FIGURES) + 1))
         count = rate = slope = growth = r2 = np.empty(0)
-        compute = np.empty((0, cfg.recent_max_steps))
+        per_step = np.empty((0, k_steps, len(_STEP_FIGURES)))
         latest = np.empty((0, len(LATEST)))
+        clocks = np.empty((0, max(1, cfg.throttle_samples)))
     gone = np.array([r.slot is None for r in ranks], dtype=bool)
     if gone.any():
         med[gone] = np.nan
-        compute[gone] = np.nan
+        per_step[gone] = np.nan
         latest[gone] = np.nan
+        clocks[gone] = np.nan
     steps = {f: med[:, j + 1] for j, f in enumerate(_STEP_FIGURES)}
+    recent = {f: per_step[:, :, _STEP_FIGURES.index(f)]
+              for f in ("step_s", "data_wait_s", "compute_s")}
     lat = {f: latest[:, i] for f, i in _LATEST.items()}
     # how long each rank has been in its phase: as of its last heartbeat, plus since then
     last_seen = np.array([r.last_seen for r in ranks])
@@ -185,7 +251,7 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None) -> Wind
         node=list(names), node_of=node_of, status=[r.status for r in ranks],
         active=np.array([r.status == "active" for r in ranks], dtype=bool),
         world_size=att.world_size if att else 0, steps=steps, n_recent=count,
-        recent_compute=compute,
+        recent=recent, clock_history=clocks,
         step_rate=rate, latest=lat, phase=[r.phase for r in ranks], phase_age_s=phase_age,
         mem_slope=slope, mem_growth=growth, mem_r2=r2,
         gpu_name=[d.get("name") if d else None for d in dev],

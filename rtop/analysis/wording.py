@@ -64,6 +64,56 @@ def _verb(ranks: Sequence[int], one: str, many: str) -> str:
     return one if len(ranks) == 1 else many
 
 
+def _one_node(ev: Evidence) -> str | None:
+    """The node a finding names whole, when it names exactly one node."""
+    nodes = ev.get("whole_nodes")
+    if ev.get("scope") == "node" and isinstance(nodes, Mapping) and len(nodes) == 1:
+        return str(next(iter(nodes)))
+    return None
+
+
+def who(ranks: Sequence[int], ev: Evidence) -> str:
+    """Who a finding names, as a sentence starts: "Rank 4", "Ranks 4 and 9", "Node
+    node-00017 (its 8 ranks)", "3 nodes (24 ranks: node-a, node-b, node-c)", "84 ranks on
+    61 nodes". Numbers past five ranks are counted, not listed."""
+    nodes = ev.get("whole_nodes")
+    n = len(ranks)
+    if ev.get("scope") == "node" and isinstance(nodes, Mapping) and nodes:
+        listed = list(nodes)
+        count = ev.get("whole_node_count") or len(listed)
+        if count == 1:
+            return f"Node {listed[0]} (its {n} ranks)"
+        shown = ", ".join(str(x) for x in listed[:3])
+        return f"{count} nodes ({n} ranks: {shown}{' and others' if count > 3 else ''})"
+    if n <= 5:
+        return names(ranks)
+    on = ev.get("node_count")
+    if isinstance(on, int) and on > 0:
+        return f"{n} ranks on {on} node{'s' if on != 1 else ''}"
+    return f"{n} ranks"
+
+
+def _one(ranks: Sequence[int], ev: Evidence) -> bool:
+    """Whether the finding's subject reads as one (a rank, or a node)."""
+    return len(ranks) == 1 or _one_node(ev) is not None
+
+
+def _says(ranks: Sequence[int], ev: Evidence, one: str, many: str) -> str:
+    return one if _one(ranks, ev) else many
+
+
+def _cost(ev: Evidence) -> str:
+    """What the finding costs the job, as a sentence ("" when not measured)."""
+    cost = ev.get("cost")
+    if not isinstance(cost, Mapping):
+        return ""
+    sec, share = cost.get("s_per_step"), cost.get("share")
+    if not measured(sec) or sec <= 0:
+        return ""
+    of = f" ({share:.0%} of its throughput)" if measured(share) and share > 0 else ""
+    return f" It costs the job about {ms(sec)} per step{of}."
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     """``a / b``, or None unless both were measured and ``b`` is positive."""
     if measured(a) and measured(b) and b > 0:
@@ -134,15 +184,16 @@ def _followers(ranks: Sequence[int], ev: Evidence) -> str:
 def _lost_rank(ranks: Sequence[int], ev: Evidence) -> str:
     r = _first(ranks, ev)
     last_step = r.get("last_step")
-    step = NA if last_step is None else last_step
+    step = ("no step reported" if not isinstance(last_step, int) or last_step < 0
+            else f"last step {last_step}")
     then = _followers(ranks, ev)
     ended = CONNECTION_END.get(str(r.get("how")))
     if ended is None:  # silent past the timeout (or evidence without how)
-        text = (f"{names(ranks)} stopped reporting (last step {step}, "
+        text = (f"{names(ranks)} stopped reporting ({step}, "
                 f"{fmt_num(r.get('silent_s'), '.0f')} s ago): the process likely died or its "
                 "node went away; the others will block in the next collective.")
         return f"{text} {then[0].upper()}{then[1:]}." if then else text
-    said = f"{ended} at {clock(r.get('lost_at'))}, no goodbye, last step {step}"
+    said = f"{ended} at {clock(r.get('lost_at'))}, no goodbye, {step}"
     node = ev.get("whole_node")
     if node:
         text = (f"{names(ranks)} died together, every rank of node {node} ({said}): the "
@@ -184,8 +235,12 @@ def _starved_rank(ranks: Sequence[int], ev: Evidence) -> str:
     then = (f"; the others then wait for it inside the allreduce ({ms(peer_comm)} vs "
             f"{ms(comm)})") if measured(peer_comm) and measured(comm) \
         and peer_comm > comm else ""
-    return (f"{names(ranks)} {_verb(ranks, 'waits', 'wait')} {ms(wait)} per step for data, "
-            f"{ratio}{then}.")
+    if not _one(ranks, ev):
+        ratio = ratio.replace("its peers", "their peers")
+        return (f"{who(ranks, ev)} wait up to {ms(wait)} per step for data, {ratio}"
+                f"{then.replace(' for it ', ' for them ')}.{_cost(ev)}")
+    return (f"{who(ranks, ev)} waits {ms(wait)} per step for data, "
+            f"{ratio}{then}.{_cost(ev)}")
 
 
 def _clocks(c: Evidence) -> str:
@@ -232,18 +287,45 @@ def _straggler(ranks: Sequence[int], ev: Evidence) -> str:
     cause = ev.get("cause") or straggler_cause(ev.get("causes") or (),
                                                ev.get("rank_counters") or {})
     ratio = _ratio(comp, peers)
-    than = f"{ratio:.1f}x {_verb(ranks, 'its', 'their')} peers ({ms(peers)})" \
-        if ratio is not None else f"{_verb(ranks, 'its', 'their')} peers {ms(peers)}"
-    return (f"{names(ranks)} {_verb(ranks, 'computes', 'compute up to')} {ms(comp)} per "
-            f"step, {than}, and they wait for {_verb(ranks, 'it', 'them')} in the allreduce; "
-            f"{cause}.")
+    its = _says(ranks, ev, "its", "their")
+    than = f"{ratio:.1f}x {its} peers ({ms(peers)})" if ratio is not None \
+        else f"{its} peers {ms(peers)}"
+    return (f"{who(ranks, ev)} {_says(ranks, ev, 'computes', 'compute up to')} {ms(comp)} "
+            f"per step, {than}, and they wait for {_says(ranks, ev, 'it', 'them')} in the "
+            f"allreduce; {cause}.{_cost(ev)}")
+
+
+def _fleet_capped(ev: Evidence) -> str:
+    """Most GPUs of the job under their max clock with a throttle reason: one fact."""
+    reasons = ", ".join(x.replace("_", " ") for x in ev.get("reasons") or ()) or NA
+    gpus, of = ev.get("gpus"), ev.get("of")
+    every = "Every GPU" if gpus == of else f"{gpus} of {of} GPUs"
+    if gpus == of and isinstance(of, int):
+        every = f"Every GPU ({of:,} of {of:,})"
+    return (f"{every} runs below its max clock: {fmt_num(ev.get('clock_ratio_median'), '.0%')} "
+            f"at the median ({fmt_num(ev.get('sm_clock_mhz_median'), '.0f')} of "
+            f"{fmt_num(ev.get('sm_clock_max_mhz'), '.0f')} MHz), held down by {reasons}: a "
+            "fact about the whole job, not a fault of any rank")
 
 
 def _gpu_throttled(ranks: Sequence[int], ev: Evidence) -> str:
+    if ev.get("scope") == "job":
+        return _fleet_capped(ev) + "."
     r = _first(ranks, ev)
     reasons = ", ".join(x.replace("_", " ") for x in r.get("reasons") or ()) or NA
-    return (f"{names(ranks)}'s GPU runs at {fmt_num(r.get('sm_clock_mhz'), '.0f')} of "
-            f"{fmt_num(r.get('sm_clock_max_mhz'), '.0f')} MHz, held down by {reasons}.")
+    peers = r.get("peers_clock_ratio")
+    than = f", its peers at {peers:.0%}" if measured(peers) and _one(ranks, ev) else ""
+    fleet = ev.get("fleet")
+    also = f" ({_fleet_capped(fleet)})" if isinstance(fleet, Mapping) else ""
+    if _one(ranks, ev) and len(ranks) == 1:
+        text = (f"{who(ranks, ev)}'s GPU runs at {fmt_num(r.get('sm_clock_mhz'), '.0f')} of "
+                f"{fmt_num(r.get('sm_clock_max_mhz'), '.0f')} MHz{than}, held down by "
+                f"{reasons}")
+    else:
+        text = (f"{who(ranks, ev)} run their GPUs at down to "
+                f"{fmt_num(r.get('sm_clock_mhz'), '.0f')} of "
+                f"{fmt_num(r.get('sm_clock_max_mhz'), '.0f')} MHz, held down by {reasons}")
+    return f"{text}{also}.{_cost(ev)}"
 
 
 def _probed_link(ranks: Sequence[int], ev: Evidence) -> str:

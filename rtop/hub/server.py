@@ -81,6 +81,7 @@ from rtop.hub.recorder import Recorder, default_record_path
 from rtop.hub.spool import SpoolIngest
 from rtop.run.snapshot import HubInfo, RankDetail, Snapshot
 from rtop.run.state import (
+    KIND_JOB_EXIT,
     KIND_LINKS,
     MAX_RANKS,
     ProtocolError,
@@ -746,6 +747,10 @@ class Hub:
             log.info("rtop: %s cleared", kind)
             if self.recorder is not None:
                 self.recorder.frame("finding", {"event": "clear", "kind": kind}, ev.t)
+        for kind in ev.withdrawn:
+            log.info("rtop: %s withdrawn: its ranks ended as their command exited 0", kind)
+            if self.recorder is not None:
+                self.recorder.frame("finding", {"event": "withdrawn", "kind": kind}, ev.t)
 
     def _check_linger(self, mono: float, linger: float) -> None:
         viewers = any(c.role in ("viewer", "control") for c in self._conns)
@@ -1180,6 +1185,27 @@ class Hub:
         """Where a profile's traces go by default (beside the recording)."""
         return default_profile_dir(self.recorder.path if self.recorder else None,
                                    self.cfg.job)
+
+    def job_exited(self, code: int, exited_at: float | None = None) -> list[int]:
+        """The command whose ranks this hub watches exited with ``code`` (as a shell
+        reports it) at hub time ``exited_at`` (default now): ``rtop run`` says so once
+        its ranks' last frames are in. Recorded (a ``job_exit`` frame) and applied like
+        a rank's frame, so the live view, the recording and ``rtop report`` agree: with
+        code 0, ranks lost without a goodbye as it exited ended with it, and a
+        ``lost_rank`` finding only they made is withdrawn (``RunState.on_job_exit``).
+        Returns the ranks it ended. Call it on the hub's loop."""
+        now = time.time()
+        payload = {"code": int(code),
+                   "exited_at": float(exited_at) if exited_at is not None else now}
+        self.monitor.apply(wire.Frame(KIND_JOB_EXIT, payload), now)
+        if self.recorder is not None:
+            self.recorder.frame(KIND_JOB_EXIT, payload, now)
+        evaluation = self.monitor.advance(now, force=True)
+        if evaluation is not None:
+            self._report(evaluation)
+        self._snap_cache = None
+        ended = self.state.job_exit
+        return list(ended.ended) if ended is not None else []
 
     def probe_done(self, ranks: list[int], nodes: list[str],
                    answers: Mapping[int, Mapping[str, Any]],

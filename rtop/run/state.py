@@ -99,6 +99,18 @@ _NAN = float("nan")
 KIND_LINKS: Final = "links"
 #: How a rank's connection can end without a goodbye (a ``conn`` close frame's ``how``).
 LOST_HOW: Final = ("reset", "eof", "closed")
+#: A frame the hub writes (never a rank: the hub refuses it from one) when the command
+#: whose ranks it watches has exited (``rtop run`` tells its own hub):
+#: ``{"code": int, "exited_at": hub time}``, the code as a shell reports it.
+KIND_JOB_EXIT: Final = "job_exit"
+#: Ranks of the current attempt lost at most this long before their command exited 0
+#: ended with the job: their processes finished (``os._exit(0)`` skips the goodbye), the
+#: launcher noticed, and its exit reached ``rtop run`` (torchrun looks every 0.1 s, 5 s
+#: in older releases).
+JOB_EXIT_WINDOW_S: Final = 10.0
+#: The ``bye_reason`` of a rank the hub marked ended by its command's exit 0 (it said
+#: no goodbye of its own).
+JOB_EXIT_REASON: Final = "job_exit"
 #: A rank is warm after this many steps (see ``RankState.warm_wall``) ...
 WARMUP_STEPS = 20
 #: ... or, for slow steps, after at least 3 steps and this many seconds.
@@ -418,6 +430,19 @@ def _check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any
 
 
 @dataclass
+class JobExit:
+    """The command's exit, as its ``job_exit`` frame said (see :data:`KIND_JOB_EXIT`)."""
+
+    code: int
+    exited_at: float  # hub time the command exited
+    #: ranks of the current attempt its exit 0 ended (lost without a goodbye just before)
+    ended: list[int] = field(default_factory=list)
+    #: the earliest of their losses (hub time): a lost-rank finding they alone made
+    #: started at or after it
+    since: float | None = None
+
+
+@dataclass
 class RankState:
     """One rank of one attempt."""
 
@@ -454,7 +479,8 @@ class RankState:
     #: how it was lost: "reset" (connection reset), "eof" (connection closed), "closed"
     #: (closed, how not known: an older recording) or "silent" (nothing for the timeout)
     lost_how: str | None = None
-    #: the reason its goodbye gave ("closed", "exit", "signal"), None before one
+    #: the reason its goodbye gave ("closed", "exit", "signal"), None before one;
+    #: :data:`JOB_EXIT_REASON` when it said none and its command's exit 0 ended it
     bye_reason: str | None = None
     #: the rank's wall time when it warmed up (its WARMUP_STEPS-th step, or WARMUP_S after
     #: its first for slow steps): the first steps are slow (allocations, caches, loader
@@ -538,6 +564,8 @@ class RunState:
         self.duplicate_frames = 0
         self._links: ProbeLinks | None = None
         self._links_attempt: int | None = None
+        #: the command's exit, once a ``job_exit`` frame said it (:meth:`on_job_exit`)
+        self.job_exit: JobExit | None = None
 
     # ---- attempts, ranks, slots -----------------------------------------------------
 
@@ -773,6 +801,10 @@ class RunState:
                 if peer is not None:
                     raise ProtocolError("a rank may not send a link probe's result")
                 self.set_links(p, t_hub)
+            elif kind == KIND_JOB_EXIT:
+                if peer is not None:
+                    raise ProtocolError("a rank may not say how its command exited")
+                self.on_job_exit(p, t_hub)
             # clock frames and unknown kinds only move time forward
         return rs
 
@@ -971,8 +1003,38 @@ class RunState:
             rs.lost_at = t_hub
             rs.lost_how = how
             rs.last_seen = min(rs.last_seen, t_hub)
+            ended = self.job_exit
+            if ended is not None and ended.code == 0 and self.is_current(rs):
+                self._ended_by_exit(rs, ended)  # closing after its command exited 0
         if self.pending:
             self._settle(t_hub)
+
+    def on_job_exit(self, p: dict[str, Any], t_hub: float) -> None:
+        """The command whose ranks these are exited (a ``job_exit`` frame, the hub's
+        word). With code 0, ranks of the current attempt lost without a goodbye at most
+        :data:`JOB_EXIT_WINDOW_S` before it (or later) ended with the job: their status
+        becomes "exited" and their ``bye_reason`` :data:`JOB_EXIT_REASON` (``lost_at``
+        and ``lost_how`` still say when and how they went). Any other code changes
+        nothing: a crash is still a crash."""
+        code = p.get("code")
+        if type(code) is not int:
+            raise ProtocolError(f"job_exit without an integer 'code' (got {_what(code)})")
+        at = _number("job_exit: 'exited_at'", p.get("exited_at"))
+        ended = JobExit(code, float(at) if at is not None else t_hub)
+        self.job_exit = ended
+        if code != 0:
+            return
+        for rs in self.active_ranks():
+            lost_at = rs.lost_at if rs.lost_at is not None else rs.last_seen
+            if rs.status == "lost" and lost_at >= ended.exited_at - JOB_EXIT_WINDOW_S:
+                self._ended_by_exit(rs, ended)
+
+    @staticmethod
+    def _ended_by_exit(rs: RankState, ended: JobExit) -> None:
+        rs.status, rs.bye_reason = "exited", JOB_EXIT_REASON
+        ended.ended.append(rs.rank)
+        lost_at = rs.lost_at if rs.lost_at is not None else rs.last_seen
+        ended.since = lost_at if ended.since is None else min(ended.since, lost_at)
 
     def tick(self, t_hub: float) -> list[RankState]:
         """Mark silent ranks lost; returns the ranks newly marked."""
