@@ -29,10 +29,14 @@ from typing import Any
 
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.kinds import KINDS, RANK_FAULTS
-from rtop.fleetsim import Truth
+from rtop.fleetsim import FAULTS, JOB_FAULTS, Truth
 
 #: Finding kinds that are facts about the whole job (the others blame ranks or nodes).
 JOB_KINDS = frozenset(set(KINDS) - set(RANK_FAULTS))
+#: The job-level kinds expected of a simulated job fault (input bound, a slow link):
+#: one where the run had no such fault is a false alarm. (``low_scaling_efficiency``,
+#: also right for a slow NIC, is not counted: any slow rank lowers the scaling.)
+JOB_FAULT_KINDS = frozenset(FAULTS[f][0] for f in JOB_FAULTS)
 
 
 @dataclass
@@ -54,6 +58,26 @@ def named(path: str | Path, cfg: AnalysisConfig | None = None,
     """Replay a recording through rtop's diagnosis (or ``findings(state, t)``, another
     detector to compare, called every half second of hub time) and note when each rank,
     node and job was first named, by kind."""
+    if findings is None:
+        return named_with(path, cfg)["rtop"]
+    rule = findings
+    return named_with(path, cfg, {"other": lambda state, t, _ours: rule(state, t)},
+                      ours=False)["other"]
+
+
+#: Another detector to hold beside rtop's: ``(state, t, rtop_findings)`` to findings
+#: (``rtop_findings`` is empty when rtop's diagnosis is not run in the same replay).
+Detector = Callable[[Any, float, list[dict[str, Any]]], list[dict[str, Any]]]
+
+
+def named_with(path: str | Path, cfg: AnalysisConfig | None = None,
+               others: dict[str, Detector] | None = None, *, ours: bool = True
+               ) -> dict[str, Named]:
+    """One replay of a recording, every half second of hub time judged by rtop's
+    diagnosis (key ``"rtop"``, unless ``ours`` is False) and by each of ``others`` (by
+    their keys, each given rtop's findings of the same moment): what each named, when."""
+    import time
+
     from collectors import wire
     from rtop.analysis.monitor import EVAL_EVERY_S, Monitor
     from rtop.run.recording import read
@@ -62,11 +86,16 @@ def named(path: str | Path, cfg: AnalysisConfig | None = None,
     monitor = Monitor(RunState(), cfg or AnalysisConfig())
     analyzer = monitor.analyzer
     assert analyzer is not None
-    out = Named()
+    judges: dict[str, Named] = {}
+    if ours:
+        judges["rtop"] = Named()
+    for key in others or {}:
+        judges[key] = Named()
     node_ranks: dict[str, set[int]] = {}
     next_eval = -math.inf
 
-    def note(kind: str, ranks: Iterable[int], scope: str | None, t: float) -> None:
+    def note(out: Named, kind: str, ranks: Iterable[int], scope: str | None,
+             t: float) -> None:
         if kind in JOB_KINDS:
             out.jobs.setdefault(kind, t)
             return
@@ -92,18 +121,23 @@ def named(path: str | Path, cfg: AnalysisConfig | None = None,
         if t_hub < next_eval:
             continue
         next_eval = t_hub + EVAL_EVERY_S
-        out.evaluations += 1
-        if findings is not None:
-            current = findings(monitor.state, t_hub)
-        else:
-            import time
-
+        mine: list[dict[str, Any]] = []
+        if ours:
             t0 = time.perf_counter()
-            current = [dict(f) for f in analyzer.update(monitor.state, t_hub)]
-            out.eval_s.append(time.perf_counter() - t0)
-        for f in current:
-            note(str(f["kind"]), f["ranks"], (f.get("evidence") or {}).get("scope"), t_hub)
-    return out
+            mine = [dict(f) for f in analyzer.update(monitor.state, t_hub)]
+            judges["rtop"].eval_s.append(time.perf_counter() - t0)
+        for key, out in judges.items():
+            out.evaluations += 1
+            if key == "rtop":
+                current = mine
+            else:
+                t0 = time.perf_counter()
+                current = (others or {})[key](monitor.state, t_hub, mine)
+                out.eval_s.append(time.perf_counter() - t0)
+            for f in current:
+                note(out, str(f["kind"]), f["ranks"], (f.get("evidence") or {}).get("scope"),
+                     t_hub)
+    return judges
 
 
 @dataclass
@@ -132,11 +166,17 @@ class Score:
     job_found: int = 0
     job_missed: int = 0
     false_rank_faults: list[tuple[str, int]] = field(default_factory=list)
+    #: job-level findings of a kind that names a job fault (input bound, a slow link)
+    #: where the run had no such fault
+    false_job_facts: list[str] = field(default_factory=list)
     latencies: list[Latency] = field(default_factory=list)
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: the same for nodes (a node is named when every rank of it is in one finding)
+    by_kind_nodes: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def _kind(self, kind: str, what: str) -> None:
-        row = self.by_kind.setdefault(kind, {"tp": 0, "fp": 0, "fn": 0})
+    def _kind(self, kind: str, what: str, nodes: bool = False) -> None:
+        table = self.by_kind_nodes if nodes else self.by_kind
+        row = table.setdefault(kind, {"tp": 0, "fp": 0, "fn": 0})
         row[what] += 1
 
 
@@ -182,8 +222,10 @@ def score(truth: Truth, found: Named) -> Score:
             for node in tf.nodes:
                 if any((k, node) in found.nodes for k in tf.kinds):
                     out.tp_nodes += 1
+                    out._kind(tf.kinds[0], "tp", nodes=True)
                 else:
                     out.fn_nodes += 1
+                    out._kind(tf.kinds[0], "fn", nodes=True)
         t = max(firsts) if firsts and len(firsts) == len(tf.ranks) else None
         lat = _latency(tf.fault, tf.onset, t, step)
         if tf.wall is not None and t is not None:
@@ -194,10 +236,16 @@ def score(truth: Truth, found: Named) -> Score:
             out.fp_ranks += 1
             out.false_rank_faults.append((kind, r))
             out._kind(kind, "fp")
+    true_job_kinds = {k for tf in truth.faults for k in tf.kinds}
+    for kind in sorted(found.jobs):
+        if kind in JOB_FAULT_KINDS and kind not in true_job_kinds:
+            out.false_job_facts.append(kind)
+            out._kind(kind, "fp")
     for (kind, node), _t in found.nodes.items():
         if kind not in right_nodes.get(node, set()) and len(
                 [1 for tf in truth.faults if node in tf.nodes and kind in tf.kinds]) == 0:
             out.fp_nodes += 1
+            out._kind(kind, "fp", nodes=True)
     return out
 
 

@@ -479,10 +479,15 @@ class _Run:
                 if at > run_end:
                     continue
                 if r in gone_at and at >= gone_at[r]:
-                    ended.add(r)
-                    yield T0 + gone_at[r] + 0.001 * (r % spec.per_node), "conn", {
-                        "event": "close", "rank": r, "group": group, "clean": False,
-                        "how": "reset"}
+                    # its process (for a lost node, its node's) died: the kernel closes
+                    # every socket of the dead at once, and the hub sees them together
+                    gone = [q for q in sorted(gone_at)
+                            if gone_at[q] == gone_at[r] and q not in ended]
+                    for i, q in enumerate(gone):
+                        ended.add(q)
+                        yield T0 + at + 0.001 * i, "conn", {
+                            "event": "close", "rank": q, "group": group, "clean": False,
+                            "how": "reset"}
                     continue
                 if teardown_at is not None and at >= teardown_at + 0.5 * (r % 3):
                     ended.add(r)

@@ -19,7 +19,7 @@ from typing import Any
 
 from rtop.analysis.kinds import KINDS
 from rtop.analysis.window import measured
-from rtop.fmt import NA, fmt_num
+from rtop.fmt import NA, fmt_num, fmt_ranks
 
 Evidence = Mapping[str, Any]
 GB = 1e9
@@ -166,7 +166,7 @@ def _followers(ranks: Sequence[int], ev: Evidence) -> str:
         groups.setdefault(str(how or "no goodbye"), []).append(int(r))
     parts = []
     for how, rs in groups.items():
-        who = names(sorted(rs)).lower()
+        who = names(sorted(rs)).lower() if len(rs) <= 5 else f"{len(rs)} ranks"
         if how.startswith("SIG"):
             parts.append(f"{who} {_verb(rs, 'was', 'were')} torn down after {them} ({how})")
         elif how == "error":
@@ -195,7 +195,10 @@ def _lost_rank(ranks: Sequence[int], ev: Evidence) -> str:
         return f"{text} {then[0].upper()}{then[1:]}." if then else text
     said = f"{ended} at {clock(r.get('lost_at'))}, no goodbye, {step}"
     node = ev.get("whole_node")
-    if node:
+    if node and len(ranks) > 5:
+        text = (f"Node {node} died whole, its {len(ranks)} ranks ({fmt_ranks(ranks)}) "
+                f"together ({said}): the node or its container likely went away")
+    elif node:
         text = (f"{names(ranks)} died together, every rank of node {node} ({said}): the "
                 "node or its container likely went away")
     else:
