@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rtop-installed
 PYTHON ?= python3
 
-.PHONY: test demo lint typecheck pytest fuzz bench reliability screenshots clean
+.PHONY: test demo lint typecheck pytest fuzz bench reliability accuracy screenshots clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,12 @@ bench: $(STAMP)
 # namespaces, tmpfs); e.g. RELIABILITY_ARGS="--rounds 3" or "--no-overhead".
 reliability: $(STAMP)
 	$(PY) benchmarks/reliability.py $(RELIABILITY_ARGS)
+
+# How often the diagnosis is right: every fault scenario on simulated fleets (5 seeds at
+# 64 and 1,024 ranks, 1 at 4,096) beside a naive baseline, written to docs/diagnosis.md;
+# e.g. ACCURACY_ARGS="--quick" or "--jobs 4".
+accuracy: $(STAMP)
+	$(PY) benchmarks/diagnosis_accuracy.py $(ACCURACY_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

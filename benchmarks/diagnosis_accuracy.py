@@ -367,8 +367,8 @@ def write_page(results: list[dict[str, Any]], path: Path, args: argparse.Namespa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scales", type=int, nargs="+", default=[1024, 64, 4096])
-    ap.add_argument("--seeds", type=int, default=5, help="seeds at 1,024 ranks")
-    ap.add_argument("--subset-seeds", type=int, default=2, help="seeds at the other scales")
+    ap.add_argument("--seeds", type=int, default=5, help="seeds at 1,024 ranks and fewer")
+    ap.add_argument("--large-seeds", type=int, default=1, help="seeds above 1,024 ranks")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "diagnosis.md")
     ap.add_argument("--quick", action="store_true", help="64 and 256 ranks, 1 seed")
@@ -382,7 +382,7 @@ def main() -> int:
     else:
         for n in args.scales:
             main_scale = n == 1024 or len(args.scales) == 1
-            seeds = args.seeds if main_scale else args.subset_seeds
+            seeds = args.seeds if n <= 1024 else args.large_seeds
             for seed in range(1, seeds + 1):
                 tasks += [(n, s, seed) for s in names if main_scale or s in SUBSET]
     # the largest first, so the pool ends on small ones

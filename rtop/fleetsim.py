@@ -225,6 +225,8 @@ class Truth:
     steps: int
     step_s_median: float
     frames: int = 0
+    #: the healthy noise's file-system hiccups: (rank, hub time its step began, seconds)
+    hiccups: list[tuple[int, float, float]] = field(default_factory=list)
 
     @property
     def rank_hours(self) -> float:
@@ -295,6 +297,8 @@ class _Fleet:
         self.mem_base = 58e9 + 1.5e9 * self.rng.random(n)
         self.temp_base = 62.0 + 4.0 * self.rng.random(n) + np.where(self.warm, nz.warm_c, 0.0)
         self.hiccup_next = np.zeros(n)  # a hiccup's spill into the next step (seconds)
+        #: every file-system hiccup: (rank, seconds into the run its step began, seconds)
+        self.hiccups: list[tuple[int, float, float]] = []
         #: the leaks: (fault, its ranks, bytes a second)
         self.leaks: list[tuple[Fault, list[int], float]] = []
         self.faults = scenario.faults
@@ -323,6 +327,7 @@ class _Fleet:
             hic = rng.random(n) < nz.hiccup_p
             size = rng.uniform(*nz.hiccup_s, n)
             data = data + np.where(hic, size, 0.0)
+            self.hiccups += [(int(r), t, float(size[r])) for r in np.flatnonzero(hic)]
             spill = hic & (rng.random(n) < nz.hiccup_two_steps_p)
             self.hiccup_next = np.where(spill, size * rng.uniform(0.3, 0.8, n), 0.0)
         for f, rs in self._active("starved", t):
@@ -449,6 +454,7 @@ class _Run:
         last_step_end = t
         self.truth.steps = s
         self.truth.step_s_median = float(np.median(step_times)) if step_times else spec.step_s
+        self.truth.hiccups = [(r, T0 + at, size) for r, at, size in fleet.hiccups]
         if hang is not None:
             run_end = max(end, hang.start_s + 60.0)
         elif teardown_at is not None:

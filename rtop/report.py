@@ -211,6 +211,8 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None, *,
     for att in state.attempts:
         ranks = [_rank_entry(rs, accs[id(rs)]) for rs in sorted(att.ranks.values(),
                                                                 key=lambda r: r.rank)]
+        for entry in ranks:  # steps that stood out but not for long enough to be named
+            entry["hiccups"] = analyzer.hiccups.of(att.number, entry["rank"])
         attempts.append({"attempt": att.number, "group": att.group, "job": att.job,
                          "world_size": att.world_size,
                          "ended": _attempt_end(att, att is not state.attempts[-1]),

@@ -118,3 +118,39 @@ def test_the_simulator_is_deterministic_and_its_faults_land_where_it_says(
                                              "lost_rank", "lost_node", "fail_slow",
                                              "input_bound", "slow_nic", "two_faults"}
     assert isinstance(other, tuple)
+
+
+def test_a_file_system_hiccup_is_counted_on_its_rank_not_named(tmp_path: Path) -> None:
+    """The healthy noise's hiccups (100-300 ms of data wait in one or two steps) are no
+    starved rank; they are counted per rank, and shown in its detail and the report."""
+    from rtop.analysis.config import AnalysisConfig as Cfg
+    from rtop.fleetsim import with_noise
+
+    path = tmp_path / "hiccups.rtop"
+    # more hiccups than a real fleet has, so that a short run holds plenty
+    truth = write_recording(path, with_noise(spec(5, 60.0), hiccup_p=4e-3), "healthy")
+    report = build_report(path, CFG)
+    assert not [f for f in report["findings"] if f["kind"] == "starved_rank"]
+    counted = {r["rank"]: r["hiccups"]["data_wait"] for r in report["ranks"]
+               if r["hiccups"]["data_wait"]}
+    # those long enough to stand out (the share of a step starved_min_share asks for),
+    # once the ranks have warmed up (their first steps are no measure), and not in the
+    # run's last seconds (the diagnosis has not seen those steps yet when it ends)
+    share = Cfg().starved_min_share
+    warm, end = truth.t_start + 25.0, truth.t_end - 3.0
+    clear = {r for r, at, size in truth.hiccups
+             if size >= share + 0.05 and warm < at < end}
+    any_hiccup = {r for r, _, _ in truth.hiccups}
+    assert len(clear) >= 5, truth.hiccups
+    assert clear <= set(counted), (sorted(clear - set(counted)), truth.hiccups)
+    assert set(counted) <= any_hiccup  # no hiccup where the simulator made none
+    assert all(r["hiccups"].keys() == {"data_wait", "compute"} for r in report["ranks"])
+
+
+def test_the_rank_detail_says_its_hiccups() -> None:
+    from rtop.tui.detail import hiccup_line
+
+    line = hiccup_line({"rank": 3, "found": True, "hiccups": {"data_wait": 2, "compute": 0}})
+    assert line.plain.startswith("Hiccups: 2 in data wait (steps that stood out")
+    assert hiccup_line({"rank": 3, "found": True, "hiccups": {"data_wait": 0,
+                                                              "compute": 0}}).plain == ""

@@ -60,6 +60,9 @@ class AnalysisConfig:
     starved_min_share: float = 0.15  # ... and at least this share of the rank's step
     starved_z: float = 6.0  # ... and this many robust spreads (MAD) above its peers
     starved_min_fraction: float = 0.6  # ... in at least this share of its recent steps
+    # ... and, held in just persist_min_steps, not shrinking below this share of its
+    # excess from one step to the next (a loader catching up after one stall)
+    starved_steady: float = 0.8
     starved_clear: float = 0.7  # active findings use thresholds times this
     input_bound_share: float = 0.15  # every rank's data wait above this share of its step
     input_bound_fraction: float = 0.75  # ... for at least this fraction of the ranks

@@ -86,6 +86,9 @@ class Context:
     excluded: set[int] = field(default_factory=set)  # hung or lost: their figures are stale
     #: the latest link probe of the run (``RunState.links``); None before one
     links: ProbeLinks | None = None
+    #: per kind of :data:`rtop.analysis.hiccups.HICCUP_KINDS`, ``(n, k)``: the recent
+    #: steps where a rank stood out but was not named for it (a transient)
+    hiccups: dict[str, np.ndarray] = field(default_factory=dict)
 
     def factor(self, kind: str, clear: float) -> float:
         """1.0, or the clear factor while a finding of ``kind`` is active."""
@@ -306,7 +309,12 @@ def input_findings(ctx: Context) -> list[Finding]:
     fraction = np.where(k < 1, cfg.starved_min_fraction * cfg.starved_clear,
                         cfg.starved_min_fraction)
     held, frac = peers.persistent(anomalous, valid, cfg.persist_min_steps, 0.0)
-    hit = ok & held & (frac >= fraction)
+    # held in just the fewest steps, and shrinking: one stall the loader is catching up
+    # from (a hiccup that spilled into the next step), until it holds one step more
+    fewest = (anomalous & valid).sum(axis=1) <= cfg.persist_min_steps
+    catching_up = fewest & peers.settling(rec_dw, valid, center, cfg.starved_steady)
+    hit = ok & held & (frac >= fraction) & ~catching_up
+    ctx.hiccups["data_wait"] = anomalous & valid & (ok & ~hit)[:, None]
     flagged = sorted(np.flatnonzero(hit).tolist(), key=lambda i: -dw[i])
     if not flagged:
         return []
@@ -406,8 +414,11 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
             & (np.isnan(step) | (excess >= cfg.straggler_min_share * k * step)) \
             & (fraction >= cfg.straggler_min_fraction * k)
     flagged = np.flatnonzero(hit).tolist()
-    if not flagged or len(flagged) > max(1, int(cfg.straggler_max_share * ok.sum())):
+    if len(flagged) > max(1, int(cfg.straggler_max_share * ok.sum())):
         return None  # most ranks "slow" is no straggler: the others are fast
+    ctx.hiccups["compute"] = slow_step & valid & (ok & ~hit)[:, None]
+    if not flagged:
+        return None
     flagged.sort(key=lambda i: -(comp[i] - others[i]))
     ranks = [int(w.rank[i]) for i in flagged]
     peer_mask = ok.copy()

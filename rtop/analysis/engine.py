@@ -21,6 +21,7 @@ from typing import Any, TypeVar, cast
 
 from rtop.analysis import detectors as d
 from rtop.analysis.config import AnalysisConfig
+from rtop.analysis.hiccups import HiccupCounter
 from rtop.analysis.kinds import KINDS, SEVERITY_ORDER
 from rtop.analysis.window import TrendCache, take
 from rtop.run.snapshot import EpisodeDict, FindingDict, Overview, Scaling, Severity
@@ -59,13 +60,15 @@ ERRORS = DetectorErrors()
 def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] | None = None,
              now: float | None = None, overview: Overview | None = None,
              errors: DetectorErrors | None = None,
-             cache: TrendCache | None = None) -> list[d.Finding]:
+             cache: TrendCache | None = None,
+             hiccups: HiccupCounter | None = None) -> list[d.Finding]:
     """Every finding whose condition holds now (no onset/clear).
 
     ``overview``, when given, is filled with what a viewer shows whether or not anything
     is wrong: the fabric class and its expected bus bandwidth, and the scaling figures
     (efficiency, breakdown, what-if for more ranks). A detector that raises costs its
-    own finding only (counted and logged once in ``errors``).
+    own finding only (counted and logged once in ``errors``). ``hiccups``, when given,
+    counts the steps where a rank stood out but not for long enough to be named.
     """
     run = (errors or ERRORS).run
     w = run("window", take, state, cfg, now, cache, default=None)
@@ -107,6 +110,8 @@ def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] |
         f2 = run(fn2.__name__, fn2, ctx, default=None)
         if f2 is not None:
             out.append(f2)
+    if hiccups is not None and ctx.hiccups:
+        run("hiccups", hiccups.count, w.ranks, w.recent_t, ctx.hiccups, default=None)
     return out
 
 
@@ -158,6 +163,8 @@ class Analyzer:
         self.errors = DetectorErrors()
         #: the slow part of a window kept between evaluations (the long memory fit)
         self.cache = TrendCache()
+        #: each rank's transient steps (stood out, not for long enough to be named)
+        self.hiccups = HiccupCounter()
 
     def update(self, state: RunState, now: float | None = None) -> list[EpisodeDict]:
         """Evaluate once; return the active findings, worst first."""
@@ -165,7 +172,7 @@ class Analyzer:
         t0 = time.perf_counter()
         overview: Overview = {}
         found = evaluate(state, self.cfg, {k: ep.ranks for k, ep in self.active.items()}, t,
-                         overview, self.errors, self.cache)
+                         overview, self.errors, self.cache, self.hiccups)
         self.overview = overview
         self.last_eval_s = time.perf_counter() - t0
         seen = set()

@@ -161,5 +161,10 @@ class Monitor:
                           else AnalysisConfig())
 
     def rank_detail(self, rank: int) -> RankDetail:
-        """One rank of the current attempt in full (see ``RunState.rank_detail``)."""
-        return self.state.rank_detail(rank)
+        """One rank of the current attempt in full (see ``RunState.rank_detail``), with
+        the hiccups the diagnosis counted for it."""
+        detail = self.state.rank_detail(rank)
+        att = self.state.current
+        if detail["found"] and self.analyzer is not None and att is not None:
+            detail["hiccups"] = self.analyzer.hiccups.of(att.number, rank)
+        return detail

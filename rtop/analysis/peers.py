@@ -73,6 +73,27 @@ def persistent(anomalous: np.ndarray, valid: np.ndarray, min_steps: int, fractio
     return ok, share
 
 
+def settling(values: np.ndarray, valid: np.ndarray, center: np.ndarray,
+             ratio: float) -> np.ndarray:
+    """Per rank: whether its excess over ``center`` shrank from its second newest valid
+    step to its newest below ``ratio`` of what it was: a queue catching up after one
+    stall (a file-system hiccup that spilled into the next step), not a steady excess."""
+    n, k = values.shape
+    if k < 2 or n == 0:
+        return np.zeros(n, dtype=bool)
+    rows = np.arange(n)
+    newest = k - 1 - np.argmax(valid[:, ::-1], axis=1)
+    earlier = valid.copy()
+    earlier[rows, newest] = False
+    has_prev = earlier.any(axis=1) & valid.any(axis=1)
+    prev = k - 1 - np.argmax(earlier[:, ::-1], axis=1)
+    c = np.where(np.isnan(center), 0.0, center)
+    now_x = values[rows, newest] - c
+    prev_x = values[rows, prev] - c
+    with np.errstate(invalid="ignore"):
+        return has_prev & (prev_x > 0) & (now_x < ratio * prev_x)
+
+
 def whole_nodes(node_of: np.ndarray, node_names: list[str], flagged: list[int],
                 min_ranks: int = 2) -> dict[str, list[int]]:
     """The nodes (by name) whose every rank, at least ``min_ranks`` of them, is among

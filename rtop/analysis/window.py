@@ -48,6 +48,9 @@ class Window:
     #: (n, k): each recent step's figures (step_s, data_wait_s, compute_s), NaN where a
     #: step is not among the recent ones; oldest first
     recent: dict[str, np.ndarray]
+    #: (n, k): when each of those steps ended (the rank's wall clock, relative to its
+    #: slot's base: comparable within a rank only), NaN where not among the recent ones
+    recent_t: np.ndarray
     step_rate: np.ndarray  # steps per second, recent
     latest: dict[str, np.ndarray]  # latest samples: gpu_util_pct, mem_peak_bytes, ...
     phase: list[str | None]
@@ -88,11 +91,11 @@ class Window:
 
 def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
                     cfg: AnalysisConfig
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Medians over each rank's steps of the last ``recent_s`` seconds (at least
-    ``recent_min_steps``, at most ``recent_max_steps``), their count, step rate, and
-    the figures of each of those steps (``(n, k, figures)`` in ``_STEP_FIGURES``' order,
-    NaN where dropped)."""
+    ``recent_min_steps``, at most ``recent_max_steps``), their count, step rate, the
+    figures of each of those steps (``(n, k, figures)`` in ``_STEP_FIGURES``' order,
+    NaN where dropped) and their end times (``(n, k)``)."""
     rings = state.steps
     k = cfg.recent_max_steps
     names = ["t_wall", *_STEP_FIGURES]
@@ -115,7 +118,8 @@ def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
         np.where(valid, t, np.inf), axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         rate = np.where((count > 1) & (span > 0), (count - 1) / span, np.nan)
-    return med, count, rate, last[:, :, 1:].astype(np.float64)
+    times = np.where(valid, t, np.nan)
+    return med, count, rate, last[:, :, 1:].astype(np.float64), times
 
 
 def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, cfg: AnalysisConfig,
@@ -207,7 +211,7 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None,
     node_of = np.array([names.setdefault(r.node, len(names)) for r in ranks], dtype=np.int64)
     k_steps = max(1, min(cfg.recent_max_steps, state.steps.window))
     if n:
-        med, count, rate, per_step = _recent_medians(state, ranks, slots, cfg)
+        med, count, rate, per_step, step_t = _recent_medians(state, ranks, slots, cfg)
         latest = state.latest[slots]
         slope, growth, r2 = _mem_trend(state, ranks, slots, cfg)
         # a slow leak grows too little over the short fit to tell from noise: where the
@@ -227,12 +231,14 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None,
         med = np.empty((0, len(_STEP_FIGURES) + 1))
         count = rate = slope = growth = r2 = np.empty(0)
         per_step = np.empty((0, k_steps, len(_STEP_FIGURES)))
+        step_t = np.empty((0, k_steps))
         latest = np.empty((0, len(LATEST)))
         clocks = np.empty((0, max(1, cfg.throttle_samples)))
     gone = np.array([r.slot is None for r in ranks], dtype=bool)
     if gone.any():
         med[gone] = np.nan
         per_step[gone] = np.nan
+        step_t[gone] = np.nan
         latest[gone] = np.nan
         clocks[gone] = np.nan
     steps = {f: med[:, j + 1] for j, f in enumerate(_STEP_FIGURES)}
@@ -251,7 +257,7 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None,
         node=list(names), node_of=node_of, status=[r.status for r in ranks],
         active=np.array([r.status == "active" for r in ranks], dtype=bool),
         world_size=att.world_size if att else 0, steps=steps, n_recent=count,
-        recent=recent, clock_history=clocks,
+        recent=recent, recent_t=step_t, clock_history=clocks,
         step_rate=rate, latest=lat, phase=[r.phase for r in ranks], phase_age_s=phase_age,
         mem_slope=slope, mem_growth=growth, mem_r2=r2,
         gpu_name=[d.get("name") if d else None for d in dev],

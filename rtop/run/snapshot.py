@@ -268,3 +268,6 @@ class RankDetail(TypedDict):
     samples: NotRequired[dict[str, Column]]  # sample history, one column per field
     #: the step's collectives split by collective, over its recent steps (worst first)
     collectives: NotRequired[dict[str, CollectiveFigures]]
+    #: steps where the rank stood out from its peers but not for long enough to be named
+    #: (data wait, compute), counted over the run by the diagnosis
+    hiccups: NotRequired[dict[str, int]]

@@ -108,6 +108,17 @@ def collective_split(detail: RankDetail) -> Text:
     return text
 
 
+def hiccup_line(detail: RankDetail) -> Text:
+    """The rank's hiccups: steps where it stood out from its peers, too briefly to be a
+    fault (empty when it had none)."""
+    counts = detail.get("hiccups") or {}
+    parts = [f"{n} in {what.replace('_', ' ')}" for what, n in counts.items() if n]
+    if not parts:
+        return Text()
+    return Text(f"Hiccups: {', '.join(parts)} (steps that stood out from its peers, too "
+                "briefly to be a fault)\n", "dim")
+
+
 def collector_notes(detail: RankDetail) -> Text:
     """The rank's collector notes: what is measured and how, and what rtop turned off
     after an error (in yellow)."""
@@ -291,6 +302,7 @@ class RankScreen(Screen[None]):
             ev.append("Events\n", "bold")
             for e in events[-8:]:
                 ev.append(f"  {e}\n", "dim")
+        ev.append_text(hiccup_line(d))
         ev.append_text(collector_notes(d))
         self.query_one("#events", Static).update(ev)
 
