@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rtop-installed
 PYTHON ?= python3
 
-.PHONY: test demo lint typecheck pytest fuzz bench reliability accuracy screenshots clean
+.PHONY: test test-fast demo lint typecheck pytest fuzz bench reliability accuracy screenshots clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ pytest: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The fast tier, while working: lint, types, and every test that starts no training job,
+# no Ray, no fault scenario, no fuzzer, no browser, no fresh virtualenv and needs no root
+# (tests/conftest.py).
+FAST := not (job or ray or fault or fuzz or root or browser or install)
+test-fast: lint typecheck
+	$(VENV)/bin/pytest -q -m "$(FAST)" $(PYTEST_ARGS)
 
 # The fuzzers of tests/test_fuzz.py (frame decoder, recording reader, the rank's side
 # of the hub connection) at 1,000,000 cases per property (CI: 10,000 per target, shared

@@ -1,5 +1,22 @@
 """Shared fixtures: a real TCP listener for rank frames, and one local Ray cluster for
-the tests that run Ray in this process (they run last, together)."""
+the tests that run Ray in this process (they run last, together); and the test tiers.
+
+Every test says what it needs by its markers (declared in ``pyproject.toml``):
+
+* ``job``: starts real training processes (torch.distributed on gloo, torchrun,
+  ``rtop run`` of a training script, mp.spawn'd ranks, the HF or Lightning trainers);
+* ``ray``: starts a real Ray Train job (or the in-process Ray cluster);
+* ``fault``: a fault-suite test (a network cut, a killed hub, a frozen viewer, a full
+  disk, an overloaded core) judged over tens of seconds;
+* ``fuzz``: the fuzzers of ``tests/test_fuzz.py``;
+* ``root``: network namespaces, tmpfs or loop mounts (root only);
+* ``browser``: drives a headless Chromium;
+* ``install``: builds a fresh virtualenv from the package registry.
+
+A module's markers are in :data:`NEEDS` (one place, reviewed as a table), a single test's
+beside it (``@pytest.mark.job``). ``make test-fast`` runs every test that needs none of
+them; ``make test`` (and CI) runs everything.
+"""
 
 from __future__ import annotations
 
@@ -79,9 +96,52 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
         ray.shutdown()
 
 
+#: What each module's tests need (see the module doc); tests of a module not listed need
+#: none unless they are marked themselves.
+NEEDS: dict[str, tuple[str, ...]] = {
+    "test_collectives.py": ("job",),
+    "test_commhook.py": ("job",),
+    "test_ddp_collectors.py": ("job",),
+    "test_demo.py": ("job", "ray"),
+    "test_faults_disk.py": ("fault", "root"),
+    "test_faults_network.py": ("fault", "root", "job"),
+    "test_faults_overload.py": ("fault", "root", "job"),
+    "test_faults_viewer.py": ("fault", "job"),
+    "test_fsdp.py": ("job",),
+    "test_fuzz.py": ("fuzz",),
+    "test_hf.py": ("job",),
+    "test_hub_lifecycle.py": ("job",),
+    "test_job_exit.py": ("job",),
+    "test_lightning.py": ("job",),
+    "test_linkprobe.py": ("job",),
+    "test_linkprobe_netns.py": ("job", "root"),
+    "test_lost_culprit.py": ("job",),
+    "test_never_raise.py": ("job",),
+    "test_probe_recheck.py": ("root",),
+    "test_profile_capture.py": ("job",),
+    "test_ray_guard.py": ("ray",),
+    "test_ray_restarts.py": ("ray",),
+    "test_ray_train.py": ("ray",),
+    "test_rtop_run.py": ("job",),
+    "test_scenarios.py": ("job",),
+    "test_slow_link.py": ("job", "root"),
+    "test_spool.py": ("job",),
+    "test_stacks.py": ("job",),
+    "test_web.py": ("job", "browser"),
+    "test_viewer_install.py": ("install",),
+}
+#: The markers of the tiers (``make test-fast`` deselects them all).
+TIER_MARKERS = ("job", "ray", "fault", "fuzz", "root", "browser", "install")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Ray tests run last, and those that share the in-process cluster after the others:
-    the cluster is started once, and no other test runs beside its idle daemons."""
+    """Each test gets its module's markers (:data:`NEEDS`). Ray tests run last, and those
+    that share the in-process cluster after the others: the cluster is started once, and
+    no other test runs beside its idle daemons."""
+    for item in items:
+        for name in NEEDS.get(Path(str(item.fspath)).name, ()):
+            item.add_marker(getattr(pytest.mark, name))
+
     def order(item: pytest.Item) -> int:
         if RAY_FIXTURE in getattr(item, "fixturenames", ()):
             return 2
