@@ -50,7 +50,7 @@ resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[4]), resource.RLIM_INFINITY
 from collectors import wire
 from rtop.hub.server import HubConfig
 from rtop.hub.service import hub_monitor
-from rtop.run.state import ProtocolError
+from rtop.run.validate import ProtocolError
 
 world, hellos, use_peer = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 monitor = hub_monitor(HubConfig())

@@ -95,8 +95,8 @@ def start(
     """
     global _probe
     with _lock:
-        if _probe is not None and not getattr(_probe, "_closed", False):
-            hook = _on_start_again
+        if _probe is not None and not getattr(_probe, "closed", False):
+            hook = on_start_again
             if hook is not None:
                 with contextlib.suppress(Exception):  # never raise into the job
                     hook()
@@ -134,7 +134,7 @@ def _install_excepthook() -> None:
 #: Called when :func:`start` is called again while the probe runs: rtop run's automatic
 #: instrumentation (:mod:`collectors.autoinstrument`) sets it, to stand aside for code
 #: (a framework callback, the contract API) that times its own steps.
-_on_start_again: Callable[[], None] | None = None
+on_start_again: Callable[[], None] | None = None
 
 
 def current() -> Probe | NullProbe | None:

@@ -263,7 +263,7 @@ class Auto:
                 return
             if self._open is not None:
                 self._open = None
-                self.probe._drop_open_step()
+                self.probe.drop_open_step()
             self._stand_aside("the code records steps of its own (the contract API or a "
                               "callback)")
         except Exception as exc:
@@ -354,7 +354,7 @@ class Auto:
             self.off = True
             probe = self.probe
             if probe is not None:
-                probe._fault(point, error)
+                probe.fault(point, error)
             else:
                 log.warning("rtop: %s is off for this process after an error in %s: %s: %s",
                             FEATURE, point, type(error).__name__, error)
@@ -437,8 +437,8 @@ class Auto:
         self.off = True
         while self._undo:
             self._undo.pop()()
-        if collectors._on_start_again == self.code_takes_over:
-            collectors._on_start_again = None
+        if collectors.on_start_again == self.code_takes_over:
+            collectors.on_start_again = None
 
 
 _installed: Auto | None = None
@@ -462,7 +462,7 @@ def install(torch: Any) -> Auto:
             raise
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=auto._after_fork)
-        collectors._on_start_again = auto.code_takes_over
+        collectors.on_start_again = auto.code_takes_over
         _installed = auto
         return auto
 

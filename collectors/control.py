@@ -245,7 +245,7 @@ class Control:
             wait_s = WAIT_FOR_GO_S
         armed = Armed(self, action_id, name, action, at_step, sync, float(wait_s))
         self._armed[action_id] = armed
-        self._p._arm(armed)
+        self._p.arm(armed)
         self.answer(action_id, "armed", {"step": self._p.step_count})
 
     def _done(self, action_id: str) -> Callable[[dict[str, Any]], None]:

@@ -262,7 +262,7 @@ class _HFHooks:
             self._off = True
             probe = self._probe
             if probe is not None:
-                probe._fault(point, error)
+                probe.fault(point, error)
             else:
                 log.warning("rtop: %s is off for this run after an error in %s: %s: %s",
                             FEATURE, point, type(error).__name__, error)

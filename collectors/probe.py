@@ -106,7 +106,7 @@ class TimedIterable(Generic[T]):
         try:
             act.thread_id = threading.get_ident()
         except Exception as exc:  # guard point "iter": never raise into the job
-            probe._fault("iter", exc)
+            probe.fault("iter", exc)
             yield from it
             return
         while True:
@@ -114,7 +114,7 @@ class TimedIterable(Generic[T]):
                 t0 = clock()
                 act.phase, act.since = "data", t0
             except Exception as exc:
-                probe._fault("iter", exc)
+                probe.fault("iter", exc)
                 yield from it
                 return
             try:
@@ -138,7 +138,7 @@ class TimedIterable(Generic[T]):
                     probe._samples = (probe._samples or 0) + n
                 act.phase, act.since = "idle", t1
             except Exception as exc:
-                probe._fault("iter", exc)
+                probe.fault("iter", exc)
                 yield item
                 yield from it
                 return
@@ -175,7 +175,7 @@ class _StepTimer:
                 if p.device_wanted:
                     p._answer_device()
         except Exception as exc:  # guard point "step.enter": never raise into the job
-            p._fault("step.enter", exc)
+            p.fault("step.enter", exc)
         return p
 
     def __exit__(
@@ -234,7 +234,7 @@ class _StepTimer:
             p._step += 1
             a.phase, a.since = "idle", t
         except Exception as error:  # guard point "step.exit": never raise into the job
-            p._fault("step.exit", error)
+            p.fault("step.exit", error)
         if p._armed:  # a hub's action (profile, probe) waits for a step boundary
             p._boundary()
         return False
@@ -330,7 +330,7 @@ class Probe:
         self.figures: dict[str, Any] = {}
         #: Features turned off after a failure at one of ``collectors.guard``'s points.
         self.faults = Faults(self.notes)
-        self.comm.on_failure = self._fault
+        self.comm.on_failure = self.fault
         #: Set by the sender when it needs the training thread's current CUDA device
         #: (no CUDA model watched): answered at the next step entry (:attr:`cuda_device`).
         self.device_wanted = False
@@ -371,7 +371,7 @@ class Probe:
                 return ray_data
         return TimedIterable(self, iterable)
 
-    def _drop_open_step(self) -> None:
+    def drop_open_step(self) -> None:
         """Forget the step entered and not yet exited, recording nothing (rtop run's
         automatic step, when the code takes the step timing over right after a fetch):
         the wait just timed stays for the step the code begins next. Training thread
@@ -473,14 +473,14 @@ class Probe:
         pool.on_failure = self._cuda_failed
         self.cuda = pool
         if pool.module is not None:  # CUDA graph captures: record and query nothing
-            CAPTURES.on_failure = self._fault
+            CAPTURES.on_failure = self.fault
             CAPTURES.install(pool.module)
             self._captures_watched = True
         collectives.use_cuda(self)
 
     # ---- failures on the training thread (collectors.guard) -----------------------
 
-    def _fault(self, point: str, error: BaseException | str) -> None:
+    def fault(self, point: str, error: BaseException | str) -> None:
         """One of ``collectors.guard``'s points failed: turn its feature off (warn once,
         note it for the hub). Never raises."""
         try:
@@ -513,7 +513,7 @@ class Probe:
 
     # ---- the hub's actions (collectors.control) -----------------------------------
 
-    def _arm(self, armed: Any) -> None:
+    def arm(self, armed: Any) -> None:
         """Arm an action for the training thread's next step boundaries (any thread)."""
         if self._control_off or self._closed:
             raise RuntimeError("control actions are off on this rank" if self._control_off
@@ -530,12 +530,12 @@ class Probe:
                     with self._armed_lock:
                         self._armed = [a for a in self._armed if a is not armed]
         except Exception as exc:
-            self._fault("control.boundary", exc)
+            self.fault("control.boundary", exc)
 
     def _cuda_failed(self, why: str) -> None:
         """The event pool could not record: steps are timed on the host from now on."""
         self.cuda = None
-        self._fault("cuda.record", why)
+        self.fault("cuda.record", why)
 
     def model_device(self) -> int | None:
         """The CUDA device index the watched model lives on (its event pool's, else the
@@ -576,6 +576,17 @@ class Probe:
     def step_count(self) -> int:
         """Steps completed so far."""
         return self._step
+
+    @property
+    def closed(self) -> bool:
+        """Whether the probe is closed or closing (:meth:`close`, :meth:`last_word`)."""
+        return self._closed
+
+    @property
+    def iter_off(self) -> bool:
+        """Whether :meth:`iter`'s data-wait timing is off (it failed at guard point
+        ``iter``): loaders are no longer wrapped."""
+        return self._iter_off
 
     def stats(self) -> dict[str, int]:
         """Counters: records sent, dropped (buffer full, hub unreachable), frames, connects."""

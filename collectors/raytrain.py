@@ -179,12 +179,12 @@ class RayTrainHooks:
         raises."""
         try:
             p = self._p
-            if p._closed or isinstance(error, KeyboardInterrupt):
+            if p.closed or isinstance(error, KeyboardInterrupt):
                 return
             p.exit_error = f"{type(error).__name__}: {error}"[:500]
             p.close(reason="exit")
         except Exception as exc:
-            self._p._fault("raytrain.failed", exc)
+            self._p.fault("raytrain.failed", exc)
 
     def call_report(self, original: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
@@ -196,7 +196,7 @@ class RayTrainHooks:
                 checkpoint = kwargs["checkpoint"] if "checkpoint" in kwargs else (
                     args[1] if len(args) > 1 else None)
                 p = self._p
-                if checkpoint is not None and not p._closed \
+                if checkpoint is not None and not p.closed \
                         and p.activity.phase != "checkpoint":
                     timer = p.checkpoint()
                     timer.__enter__()
@@ -236,7 +236,7 @@ class RayTrainHooks:
             p = self._p
             if p.activity.phase == "checkpoint":
                 p.activity.phase = "idle"
-            p._fault("raytrain.report", error)
+            p.fault("raytrain.report", error)
         except Exception:
             pass
 
@@ -325,7 +325,7 @@ class _RayDataCheck:
 
     def failed(self, error: BaseException) -> None:
         self.off = True
-        self.probe._fault("raytrain.data", error)  # never raises
+        self.probe.fault("raytrain.data", error)  # never raises
 
     def publish(self) -> None:
         """Send the totals (``meta["ray_data"]``) and the note in words."""
@@ -426,7 +426,7 @@ class RayDataIterable(TimedIterable[T]):
         """The pass ended: add Ray Data's figures and the probe's, and publish them."""
         one.restore()  # if the pass never started
         stats = one.stats
-        if stats is None or self._probe._iter_off:  # no pass, or the probe's wait is off
+        if stats is None or self._probe.iter_off:  # no pass, or the probe's wait is off
             return
         check = self._check
         check.blocked_s += max(0.0, float(stats.iter_total_blocked_s.get()) - one.blocked0)
@@ -439,7 +439,7 @@ class RayDataIterable(TimedIterable[T]):
     def __iter__(self) -> Iterator[T]:
         check = self._check
         one = None
-        if not check.off and not self._probe._iter_off:
+        if not check.off and not self._probe.iter_off:
             try:
                 one = self._begin()
             except Exception as exc:
@@ -471,5 +471,5 @@ def data_iterable(hooks: RayTrainHooks, iterable: Any) -> RayDataIterable[Any] |
             return None
         return RayDataIterable(probe, iterable, it, check)
     except Exception as exc:
-        probe._fault("raytrain.data", exc)  # never raises
+        probe.fault("raytrain.data", exc)  # never raises
         return None

@@ -81,7 +81,8 @@ def named_with(path: str | Path, cfg: AnalysisConfig | None = None,
     from collectors import wire
     from rtop.analysis.monitor import EVAL_EVERY_S, Monitor
     from rtop.run.recording import read
-    from rtop.run.state import ProtocolError, RunState
+    from rtop.run.state import RunState
+    from rtop.run.validate import ProtocolError
 
     monitor = Monitor(RunState(), cfg or AnalysisConfig())
     analyzer = monitor.analyzer

@@ -34,7 +34,8 @@ from rtop.run.spool import (
     spool_files,
     spool_key,
 )
-from rtop.run.state import Attempt, ProtocolError, RankState, RunState, step_split
+from rtop.run.state import Attempt, RankState, RunState, step_split
+from rtop.run.validate import ProtocolError
 
 #: Step fields summarised as medians over the run.
 MEDIAN_STEP_FIELDS = ("step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",

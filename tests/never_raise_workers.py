@@ -199,7 +199,7 @@ def _scenario(point: str, rank: int) -> dict[str, Any]:
         for i, (x, y) in enumerate(probe.iter(_data(rank))):
             arm = i == FAULT_AT
             if arm and point == "control.boundary":
-                probe._arm(armed)  # runs at this step's exit
+                probe.arm(armed)  # runs at this step's exit
             if arm and point == "step.enter":
                 clocks["probe"].arm()
             if arm and point == "cuda.record":
@@ -324,8 +324,8 @@ def _profile_scenario(fault: str, rank: int, out: str) -> dict[str, Any]:
         answers: list[dict[str, Any]] = []
         cap = ProfileCapture(f"{out}/{fault}-{rank}", f"rank{rank}", PROFILE_STEPS, rank,
                              answers.append)
-        probe._arm(Armed(probe.sender.control, f"profile-{fault}", "profile", cap,
-                         PROFILE_AT, sync=False, wait_s=1.0))
+        probe.arm(Armed(probe.sender.control, f"profile-{fault}", "profile", cap,
+                        PROFILE_AT, sync=False, wait_s=1.0))
         done = 0
         for x, y in probe.iter(_data(rank)):
             with probe.step():

@@ -33,7 +33,8 @@ from collectors.schema import COLLECTIVE_OPS, STEP_FIELDS
 from collectors.steps import NOT_MEASURED, ClockMap, PendingCudaStep, StepRecords, step_row
 from rtop.report import build_report
 from rtop.run.recording import read, replay
-from rtop.run.state import ProtocolError, RunState, clean_split
+from rtop.run.state import RunState
+from rtop.run.validate import ProtocolError, clean_split
 from rtop.workload import free_port
 from tests.test_probe import FakeGpu
 

@@ -298,12 +298,12 @@ def test_an_older_collectors_memory_rows_still_read():
     """``process_bytes`` was added at the end of the memory table: rows from an older
     collector (and older recordings) read it as not measured."""
     from collectors.schema import MEM_FIELDS
-    from rtop.run.state import _check_rows
+    from rtop.run.validate import check_rows
 
     old = [[time.time(), "cuda:0", 1, 2, 3, 4, 5, 6, 7]]
-    assert _check_rows("mem", old, len(MEM_FIELDS))[0][-1] is None
+    assert check_rows("mem", old, len(MEM_FIELDS))[0][-1] is None
     with pytest.raises(Exception, match="malformed 'mem' rows"):
-        _check_rows("mem", [[1, 2, 3]], len(MEM_FIELDS))
+        check_rows("mem", [[1, 2, 3]], len(MEM_FIELDS))
 
 
 def test_without_a_cuda_model_the_gpu_is_the_training_threads_device(

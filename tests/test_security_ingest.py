@@ -35,7 +35,8 @@ from rtop.analysis import AnalysisConfig, Analyzer, Monitor, evaluate
 from rtop.analysis import detectors as d
 from rtop.fmt import REPLACEMENT, safe_text
 from rtop.run.recording import read as read_recording
-from rtop.run.state import MAX_ENTRIES, MAX_NAME, MAX_ROWS, ProtocolError, RunState
+from rtop.run.state import RunState
+from rtop.run.validate import MAX_ENTRIES, MAX_NAME, MAX_ROWS, ProtocolError
 from rtop.tui.app import RtopApp, make_app
 from rtop.tui.detail import RankScreen
 from rtop.tui.ranks import RanksView

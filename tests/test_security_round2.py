@@ -26,8 +26,8 @@ import pytest
 
 from collectors import auth, wire
 from rtop.client import HubClient
+from rtop.hub.admission import addr_group
 from rtop.hub.answers import MAX_ERROR, BadAnswer, clean_result
-from rtop.hub.server import addr_group
 from rtop.hub.service import ThreadedHub
 from rtop.report import build_report
 from rtop.workload import Faults, WorkloadSpec, free_port, run_local

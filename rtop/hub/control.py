@@ -487,7 +487,7 @@ class Actions:
             "seconds": round(time.monotonic() - first.started, 3), **first.info,
         }
         if first.action == "probe" and first.go_sent:
-            out["links"] = self.hub.probe_done(
+            out["links"] = self.probe_done(
                 sorted(first.targets), first.info["nodes"],
                 first.measured if first.measured is not None else first.answers,
                 first.recheck if first.recheck and first.recheck["links"] else None)
@@ -495,6 +495,31 @@ class Actions:
             log.warning("rtop hub: %s: rank%s %s did not answer within the deadline",
                         act.action, "s" if len(missing) > 1 else "", _ranges(missing))
         self._answer(act.requester, out)
+
+    def probe_done(self, ranks: list[int], nodes: list[str],
+                   answers: Mapping[int, Mapping[str, Any]],
+                   recheck: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A finished probe's answers: the link matrix and its findings, which the hub
+        keeps in the run's state (the fabric view, the slow_link detector) and records
+        (:meth:`rtop.hub.server.Hub.keep_links`). With ``recheck`` (the probe's
+        re-measurement of the links it first found slow: ``{"links": [[rank, rank],
+        ...], "unmeasured": [...], "error", ...}``), the answers are already merged with
+        it, and the result says how many of the links measured twice are still slow
+        (``recheck["confirmed"]``)."""
+        from rtop.analysis.links import assemble, recheck_pairs, slow_links
+
+        result = assemble(ranks, nodes, answers)
+        cfg = self.hub.analysis_config()
+        result["findings"] = slow_links(result, cfg)
+        if recheck is not None:
+            still = set(recheck_pairs(result, cfg, limit=len(ranks) ** 2))
+            once = {(min(a, b), max(a, b)) for a, b in recheck.get("unmeasured") or ()}
+            recheck["confirmed"] = sum(1 for a, b in recheck.get("links") or ()
+                                       if (min(a, b), max(a, b)) not in once
+                                       and ((a, b) in still or (b, a) in still))
+            result["recheck"] = recheck
+        self.hub.keep_links(result)
+        return result
 
     def _answer(self, requester: _Peer, out: dict[str, Any]) -> None:
         """Send the requester its answer. One too big for a frame keeps the answers of

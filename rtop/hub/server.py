@@ -8,7 +8,8 @@ One port serves four kinds of peer, told apart by what they send first:
 * viewers: ``hello`` with ``role: viewer``, then ``subscribe`` (snapshots pushed at
   ``rate_hz``, default 2, at most 10) and ``request`` (a snapshot, or one rank's window);
 * control peers: ``hello`` with ``role: control``: a viewer's frames and ``control``;
-* Prometheus: an HTTP ``GET /metrics`` with ``Authorization: Bearer <view token>``.
+* Prometheus: an HTTP ``GET /metrics`` with ``Authorization: Bearer <view token>``
+  (:mod:`rtop.hub.http`).
 
 Every peer but Prometheus authenticates by challenge-response (:mod:`collectors.auth`):
 ``hello`` (role, nonce Nc, ``auth: 2``) -> ``challenge`` (nonce Ns, nothing else) ->
@@ -33,9 +34,10 @@ connections are capped, overall and per address group (:func:`addr_group`: a /24
 /64, or loopback), as are their pending bytes. HTTP requests have a deadline, a size
 limit and caps of their own. At a cap the newcomer gets in and the oldest unfinished
 connection of the fullest group is closed, so stalled connections from a few
-addresses can neither fill the table nor keep a scraper or a rank out. Off loopback, an address
-that fails to authenticate ``throttle_failures`` times within ``throttle_window_s`` is
-refused for ``throttle_block_s``. What is logged about a peer is cut short and quoted
+addresses can neither fill the table nor keep a scraper or a rank out (all of this is
+:mod:`rtop.hub.admission`'s). Off loopback, an address that fails to authenticate
+``throttle_failures`` times within ``throttle_window_s`` is refused for
+``throttle_block_s``. What is logged about a peer is cut short and quoted
 (``%r``), and refusals are logged at most once per address every ``log_every_s``, with
 a count of the rest.
 
@@ -56,7 +58,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import math
@@ -66,8 +67,7 @@ import secrets
 import socket
 import tempfile
 import time
-from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,25 +76,18 @@ from collectors import auth, wire
 from rtop import __version__
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.monitor import Evaluation, Monitor
+from rtop.hub import http
+from rtop.hub.admission import Admission, Bucket, PeerLog, addr_group, is_loopback
 from rtop.hub.control import Actions, default_profile_dir
 from rtop.hub.recorder import Recorder, default_record_path
 from rtop.hub.spool import SpoolIngest
 from rtop.run.snapshot import HubInfo, RankDetail, Snapshot
-from rtop.run.state import (
-    KIND_JOB_EXIT,
-    KIND_LINKS,
-    MAX_RANKS,
-    ProtocolError,
-    RankState,
-    RunState,
-    clean_identity,
-)
+from rtop.run.state import KIND_JOB_EXIT, KIND_LINKS, MAX_RANKS, RankState, RunState
+from rtop.run.validate import ProtocolError, clean_identity
 
 log = logging.getLogger("rtop.hub")
 
 MAX_VIEWER_HZ = 10.0
-#: The most bytes of an HTTP request's head (request line and headers).
-HTTP_MAX_BYTES = 8192
 #: A token given for a hub that listens beyond loopback must be at least this long.
 MIN_TOKEN_CHARS = 16
 #: Characters of what a peer sent (a frame kind, an error's text) that reach the log.
@@ -154,168 +147,10 @@ class HubConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def addr_group(addr: str) -> str:
-    """The group a peer's address is counted in against the connection limits: its /24
-    (IPv4, and IPv4 mapped into IPv6) or its /64 (IPv6); every loopback address is one
-    group. So a few addresses of one host or one subnet share one quota."""
-    try:
-        ip = ipaddress.ip_address(addr.split("%", 1)[0])
-    except ValueError:
-        return addr
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if ip.is_loopback:
-        return "loopback"
-    prefix = 24 if ip.version == 4 else 64
-    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
-
-
-class _Quota:
-    """Connections of one kind (not yet authenticated, or HTTP) held open, oldest
-    first, counted overall and per address group (:func:`addr_group`)."""
-
-    def __init__(self, total: int, per_group: int) -> None:
-        self.total, self.per_group = total, per_group
-        self.conns: dict[_Conn, None] = {}  # insertion order: the oldest first
-        self.by_group: dict[str, int] = {}
-
-    def full_for(self, group: str) -> bool:
-        return len(self.conns) >= self.total or self.by_group.get(group, 0) >= self.per_group
-
-    def victim(self, group: str) -> _Conn | None:
-        """Whom to close to make room for a newcomer of ``group``: the oldest of that
-        group if the group is at its cap, else the oldest of the group that holds the
-        most (a few addresses cannot hold every place, nor keep a newcomer out)."""
-        if self.by_group.get(group, 0) >= self.per_group:
-            pick = group
-        elif len(self.conns) >= self.total and self.by_group:
-            pick = max(self.by_group, key=self.by_group.__getitem__)
-        else:
-            return None
-        return next((c for c in self.conns if c.group == pick), None)
-
-    def add(self, conn: _Conn) -> None:
-        self.conns[conn] = None
-        self.by_group[conn.group] = self.by_group.get(conn.group, 0) + 1
-
-    def remove(self, conn: _Conn) -> None:
-        if self.conns.pop(conn, False) is None:
-            left = self.by_group.get(conn.group, 1) - 1
-            if left > 0:
-                self.by_group[conn.group] = left
-            else:
-                self.by_group.pop(conn.group, None)
-
-    def __len__(self) -> int:
-        return len(self.conns)
-
-    def of(self, group: str) -> int:
-        return self.by_group.get(group, 0)
-
-
 def clip(text: object, limit: int = LOG_CHARS) -> str:
     """What a peer sent, cut to ``limit`` characters for a log line (log it with %r)."""
     s = text if isinstance(text, str) else str(text)
     return s if len(s) <= limit else s[:limit] + "..."
-
-
-class _Bucket:
-    """A token bucket: ``rate`` per second, ``burst`` seconds of it in reserve."""
-
-    __slots__ = ("cap", "level", "rate", "t")
-
-    def __init__(self, rate: float, burst_s: float) -> None:
-        self.rate, self.cap = rate, rate * burst_s
-        self.level = self.cap
-        self.t = time.monotonic()
-
-    def take(self, n: float, now: float) -> bool:
-        self.level = min(self.cap, self.level + (now - self.t) * self.rate)
-        self.t = now
-        self.level -= n
-        return self.level >= 0
-
-
-class _PeerLog:
-    """Warnings about peers, at most one per address every ``every_s`` seconds; the
-    ones held back are counted and summed up every ``summary_s`` seconds."""
-
-    def __init__(self, every_s: float, summary_s: float) -> None:
-        self.every_s, self.summary_s = every_s, summary_s
-        self._last: dict[str, float] = {}
-        self._held = 0
-        self._held_from: set[str] = set()
-        self._next_summary = time.monotonic() + summary_s
-
-    def __call__(self, addr: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        last = self._last.get(addr)
-        if last is not None and now - last < self.every_s:
-            self._held += 1
-            if len(self._held_from) < 100_000:
-                self._held_from.add(addr)
-            return
-        if len(self._last) > 10_000:
-            self._last = {a: t for a, t in self._last.items() if now - t < self.every_s}
-        self._last[addr] = now
-        log.warning(msg, *args)
-
-    def tick(self, now: float) -> None:
-        if now < self._next_summary:
-            return
-        self._next_summary = now + self.summary_s
-        if self._held:
-            log.warning("rtop hub: %d more refusals from %d address%s in the last %.0f s "
-                        "were not logged one by one", self._held, len(self._held_from),
-                        "" if len(self._held_from) == 1 else "es", self.summary_s)
-        self._held = 0
-        self._held_from.clear()
-
-
-class _Throttle:
-    """Failed authentications per address; too many within a window block it a while."""
-
-    def __init__(self, failures: int, window_s: float, block_s: float) -> None:
-        self.failures, self.window_s, self.block_s = failures, window_s, block_s
-        self._fails: dict[str, deque[float]] = {}
-        self._blocked: dict[str, float] = {}
-
-    def blocked(self, addr: str, now: float) -> bool:
-        until = self._blocked.get(addr)
-        if until is None:
-            return False
-        if now >= until:
-            del self._blocked[addr]
-            return False
-        return True
-
-    def fail(self, addr: str, now: float) -> bool:
-        """Note a failure; True when it gets the address blocked."""
-        times = self._fails.setdefault(addr, deque())
-        times.append(now)
-        while times and now - times[0] > self.window_s:
-            times.popleft()
-        if len(times) >= self.failures:
-            self._blocked[addr] = now + self.block_s
-            del self._fails[addr]
-            return True
-        return False
-
-    def prune(self, now: float) -> None:
-        for addr in [a for a, t in self._fails.items() if not t or now - t[-1] > self.window_s]:
-            del self._fails[addr]
-        for addr in [a for a, until in self._blocked.items() if now >= until]:
-            del self._blocked[addr]
 
 
 class _Conn(asyncio.Protocol):
@@ -351,8 +186,8 @@ class _Conn(asyncio.Protocol):
         self.acked = 0  # the batch seq last acknowledged to this rank
         self.clean = False
         self.closing = False
-        self.bytes_in = _Bucket(hub.cfg.flood_bytes_per_s, hub.cfg.flood_burst_s)
-        self.frames_in = _Bucket(hub.cfg.flood_frames_per_s, hub.cfg.flood_burst_s)
+        self.bytes_in = Bucket(hub.cfg.flood_bytes_per_s, hub.cfg.flood_burst_s)
+        self.frames_in = Bucket(hub.cfg.flood_frames_per_s, hub.cfg.flood_burst_s)
         self.pings: dict[int, float] = {}
         self.best: list[tuple[float, float]] = []  # (rtt, offset) of recent pongs
         self.ping_seq = 0
@@ -374,7 +209,7 @@ class _Conn(asyncio.Protocol):
         self.group = addr_group(self.addr)
         self.hub._conns.add(self)
         self.hub.counters["connections"] += 1
-        self.hub._admit(self)
+        self.hub.admission.admit(self)
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -383,17 +218,17 @@ class _Conn(asyncio.Protocol):
         self.last = now
         self.spoke = True
         if self.role == "http" or (self.role is None and self.claimed is None
-                                   and not self.dec.pending
-                                   and data[:4] in (b"GET ", b"HEAD")):
-            if self.role != "http" and not self.hub._http_admit(self):
-                return
+                                   and not self.dec.pending and http.starts_request(data)):
+            if self.role != "http":
+                self.hub.admission.admit_http(self)
+                self.role = "http"
             self.http += data
             self.hub._http(self)
             return
         if not self.bytes_in.take(len(data), now):
             self.hub._flood(self)
             return
-        if self.unauth and not self.hub._hold(self, len(data)):
+        if self.unauth and not self.hub.admission.hold(self, len(data)):
             return
         error: wire.WireError | None = None
         try:
@@ -401,7 +236,7 @@ class _Conn(asyncio.Protocol):
         except wire.WireError as exc:
             frames, error = exc.partial, exc
         if self.unauth:
-            self.hub._held(self)
+            self.hub.admission.held(self, self.dec.pending)
         self.partial_since = (self.partial_since or now) if self.dec.pending else None
         if frames and not self.frames_in.take(len(frames), now):
             self.hub._flood(self)
@@ -486,12 +321,7 @@ class Hub:
         self._closed = asyncio.Event()
         self._closing: asyncio.Task[None] | None = None
         self._idle_since: float | None = None
-        self._unauth = _Quota(self.cfg.max_unauth, self.cfg.max_unauth_per_addr)
-        self._unauth_pending = 0
-        self._https = _Quota(self.cfg.max_http, self.cfg.max_http_per_addr)
-        self._throttle = _Throttle(self.cfg.throttle_failures, self.cfg.throttle_window_s,
-                                   self.cfg.throttle_block_s)
-        self._peer_log = _PeerLog(self.cfg.log_every_s, self.cfg.log_summary_s)
+        self._peer_log = PeerLog(self.cfg.log_every_s, self.cfg.log_summary_s)
         self.address = ""
         self.counters = {"connections": 0, "refused": 0, "bad_frames": 0, "floods": 0,
                          "silent": 0, "snapshots_skipped": 0, "snapshots_sent": 0,
@@ -499,6 +329,8 @@ class Hub:
                          "throttled": 0, "http_timeouts": 0, "duplicate_batches": 0,
                          "internal_errors": 0, "rank_taken": 0, "rank_replaced": 0,
                          "dead_connections": 0, "evicted": 0}
+        #: who may connect, and what a connection may hold before it authenticates
+        self.admission = Admission(self.cfg, self.counters, self._peer_log)
 
     def role_token(self, role: str) -> str:
         """The token of a role (``ingest``, ``view``, ``control``) for this hub."""
@@ -532,8 +364,8 @@ class Hub:
                 "address": self.address, "token": self.role_token("ingest"),
                 "pid": os.getpid(), "job": self.cfg.job, "record": info.get("record"),
                 "started": time.time()}, master=self.token)
-        self._spawn(self._housekeeping())
-        self._spawn(self._pusher())
+        self.spawn(self._housekeeping())
+        self.spawn(self._pusher())
         log.info("rtop hub listening on %s%s", self.address,
                  f", recording to {info['record']}" if "record" in info else "")
 
@@ -570,78 +402,13 @@ class Hub:
                     path.unlink()
         self._closed.set()
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task of the hub's, cancelled when the hub closes (its
+        spool ingestion, its housekeeping). Call it on the hub's loop."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    # ---- who may connect ---------------------------------------------------------------
-
-    def _throttles(self, addr: str) -> bool:
-        return self.cfg.throttle_loopback or not is_loopback(addr)
-
-    def _admit(self, conn: _Conn) -> None:
-        """A new connection: refused at once if its address is throttled; else counted
-        as unauthenticated, making room if the limits are reached by closing the oldest
-        connection not yet authenticated (:meth:`_make_room`)."""
-        addr, now = conn.addr, time.monotonic()
-        if self._throttles(addr) and self._throttle.blocked(addr, now):
-            self.counters["throttled"] += 1
-            conn.close()
-            return
-        self._make_room(self._unauth, conn, "not yet authenticated")
-        conn.unauth = True
-        self._unauth.add(conn)
-
-    def _make_room(self, quota: _Quota, conn: _Conn, what: str) -> None:
-        """Close the oldest connection ``quota`` holds that keeps ``conn`` out (see
-        :meth:`_Quota.victim`): when full, the newcomer gets in and the oldest unfinished
-        one goes, so stalled connections from a few addresses cannot lock others out."""
-        while quota.full_for(conn.group):
-            victim = quota.victim(conn.group)
-            if victim is None:
-                break
-            self.counters["evicted"] += 1
-            self._peer_log(victim.addr, "rtop hub: too many connections %s (%d, %d from "
-                           "%s); closed the oldest, %r, to let %r in", what, len(quota),
-                           quota.of(victim.group), victim.group, victim.who, conn.who)
-            victim.close()
-            self._release(victim)
-
-    def _release(self, conn: _Conn) -> None:
-        """The connection authenticated, turned out to be HTTP, or closed."""
-        if conn.unauth:
-            conn.unauth = False
-            self._unauth.remove(conn)
-            self._unauth_pending -= conn.pending
-            conn.pending = 0
-        if conn.http_counted and conn.closing:
-            conn.http_counted = False
-            self._https.remove(conn)
-
-    def _hold(self, conn: _Conn, n: int) -> bool:
-        """May an unauthenticated connection buffer ``n`` more bytes?"""
-        if self._unauth_pending + n <= self.cfg.max_unauth_pending_bytes:
-            return True
-        self.counters["busy"] += 1
-        self._peer_log(conn.addr, "rtop hub: unauthenticated connections hold over %d "
-                       "bytes; closed %r", self.cfg.max_unauth_pending_bytes, conn.who)
-        conn.close()
-        return False
-
-    def _held(self, conn: _Conn) -> None:
-        held = conn.dec.pending
-        self._unauth_pending += held - conn.pending
-        conn.pending = held
-
-    def _failed(self, conn: _Conn) -> None:
-        """A failed authentication (wrong proof, wrong HTTP token) from this address."""
-        self.counters["refused"] += 1
-        if self._throttles(conn.addr) and self._throttle.fail(conn.addr, time.monotonic()):
-            log.warning("rtop hub: %r failed to authenticate %d times within %.0f s; "
-                        "refusing it for %.0f s", conn.addr, self.cfg.throttle_failures,
-                        self.cfg.throttle_window_s, self.cfg.throttle_block_s)
 
     # ---- housekeeping -------------------------------------------------------------------
 
@@ -713,8 +480,7 @@ class Hub:
                 conn.close()
             elif conn.role == "rank" and mono >= conn.next_ping:
                 self._ping(conn, now)
-        self._peer_log.tick(mono)
-        self._throttle.prune(mono)
+        self.admission.tick(mono)
         self.actions.tick(mono)
         if self.spools is not None:
             self.spools.tick(mono)
@@ -761,7 +527,7 @@ class Hub:
         self._idle_since = self._idle_since or mono
         if mono - self._idle_since > linger:
             log.info("rtop hub: job over and nobody watching for %.0f s; exiting", linger)
-            self._spawn(self.close())
+            self.spawn(self.close())
 
     # ---- frames ----------------------------------------------------------------------
 
@@ -837,12 +603,12 @@ class Hub:
         role = conn.claimed
         assert role is not None
         if not auth.check(conn.expect, frame.payload.get("proof")):
-            self._failed(conn)
+            self.admission.failed(conn)
             self._peer_log(conn.addr, "rtop hub: %r (a %s) presented a wrong token; "
                            "refused", conn.who, role)
             self._refuse(conn, "token", "wrong token")
             return
-        self._release(conn)
+        self.admission.release(conn)
         conn.dec.max_bytes = self.cfg.max_frame_bytes
         conn.role, conn.expect = role, b""
         if role == "rank":
@@ -948,7 +714,7 @@ class Hub:
             ident = clean_identity(hello.get("identity"))
         except ProtocolError:
             return True
-        slot = (RunState._group_of(ident), ident.rank)
+        slot = (RunState.group_of(ident), ident.rank)
         old = self._rank_conns.get(slot)
         if old is None or old is conn or old.closing:
             return True
@@ -979,7 +745,7 @@ class Hub:
 
     def _take_slot(self, conn: _Conn, rs: RankState) -> None:
         """``conn`` now holds its rank (see :meth:`_claim`)."""
-        conn.slot = (RunState._group_of(rs.identity), rs.rank)
+        conn.slot = (RunState.group_of(rs.identity), rs.rank)
         self._rank_conns[conn.slot] = conn
 
     def _bad(self, conn: _Conn, exc: Exception) -> None:
@@ -1002,7 +768,7 @@ class Hub:
         rank's without a goodbye: the rank is lost as of now, and how is noted (the
         first of several to go is the culprit: rtop.analysis.detectors.lost_rank)."""
         self._conns.discard(conn)
-        self._release(conn)
+        self.admission.release(conn)
         holder = self._rank_conns.get(conn.slot) if conn.slot is not None else None
         if holder is conn and conn.slot is not None:
             del self._rank_conns[conn.slot]
@@ -1207,33 +973,15 @@ class Hub:
         ended = self.state.job_exit
         return list(ended.ended) if ended is not None else []
 
-    def probe_done(self, ranks: list[int], nodes: list[str],
-                   answers: Mapping[int, Mapping[str, Any]],
-                   recheck: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A finished probe's answers: the link matrix and its findings, kept in the
-        run's state (the fabric view, the slow_link detector) and recorded. With
-        ``recheck`` (the probe's re-measurement of the links it first found slow:
-        ``{"links": [[rank, rank], ...], "unmeasured": [...], "error", ...}``), the
-        answers are already merged with it, and the result says how many of the links
-        measured twice are still slow (``recheck["confirmed"]``)."""
-        from rtop.analysis.links import assemble, recheck_pairs, slow_links
-
-        result = assemble(ranks, nodes, answers)
-        cfg = self.analysis_config()
-        result["findings"] = slow_links(result, cfg)
-        if recheck is not None:
-            still = set(recheck_pairs(result, cfg, limit=len(ranks) ** 2))
-            once = {(min(a, b), max(a, b)) for a, b in recheck.get("unmeasured") or ()}
-            recheck["confirmed"] = sum(1 for a, b in recheck.get("links") or ()
-                                       if (min(a, b), max(a, b)) not in once
-                                       and ((a, b) in still or (b, a) in still))
-            result["recheck"] = recheck
+    def keep_links(self, result: dict[str, Any]) -> None:
+        """A finished link probe's result (:meth:`rtop.hub.control.Actions.probe_done`
+        makes it): kept in the run's state (the fabric view, the slow_link detector) and
+        recorded (a ``links`` frame), as of now."""
         now = time.time()
         self.state.set_links(result, now)
         if self.recorder is not None:
             self.recorder.frame(KIND_LINKS, result, now)
         self._snap_cache = None
-        return result
 
     def analysis_config(self) -> AnalysisConfig:
         """The thresholds the diagnosis judges by (the defaults before it starts)."""
@@ -1269,38 +1017,20 @@ class Hub:
 
     # ---- Prometheus ----------------------------------------------------------------------
 
-    def _http_admit(self, conn: _Conn) -> bool:
-        """The connection speaks HTTP: it is one of those now, within the HTTP limits
-        (full: the oldest unfinished request goes, :meth:`_make_room`)."""
-        self._release(conn)
-        self._make_room(self._https, conn, "speaking HTTP")
-        conn.role, conn.http_counted = "http", True
-        self._https.add(conn)
-        return True
-
     def _http(self, conn: _Conn) -> None:
-        buf = bytes(conn.http)
-        if b"\r\n\r\n" not in buf:
-            if len(buf) > HTTP_MAX_BYTES:
-                self._peer_log(conn.addr, "rtop hub: oversized HTTP request from %r; closed",
-                               conn.who)
-                conn.close()
-            return
-        head = buf.split(b"\r\n\r\n", 1)[0]
-        if len(head) > HTTP_MAX_BYTES:
+        """Answer an HTTP request (:mod:`rtop.hub.http`) once its head is whole: the
+        metrics to the view token, 401 to no token or a wrong one, 403 to a token that
+        can act on the job (it must never sit in a scraper's config); then close."""
+        try:
+            request = http.parse_head(bytes(conn.http))
+        except http.RequestTooLarge:
             self._peer_log(conn.addr, "rtop hub: oversized HTTP request from %r; closed",
                            conn.who)
             conn.close()
             return
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split()
-        path = (parts[1] if len(parts) > 1 else "/").split("?", 1)[0]
-        auth_header = ""
-        for line in lines[1:]:
-            if line.lower().startswith("authorization:"):
-                auth_header = line.split(":", 1)[1].strip()
-        presented = (auth_header[7:] if auth_header.lower().startswith("bearer ")
-                     else "").encode()
+        if request is None:
+            return
+        presented = request.bearer
         t = conn.transport
         assert t is not None
         if not hmac.compare_digest(presented, self._view_token):
@@ -1308,27 +1038,20 @@ class Hub:
             if acting:  # a token that can act must never sit in a scraper's config
                 self._peer_log(conn.addr, "rtop hub: HTTP request from %r with a token that "
                                "can act, not the view token; refused", conn.who)
-                body = (b"/metrics takes the hub's view token (rtop-view-...), never a "
-                        b"token that can act on the job\n")
-                t.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\n"
-                        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                        + body)
+                t.write(http.response("403 Forbidden", b"/metrics takes the hub's view token "
+                                      b"(rtop-view-...), never a token that can act on the "
+                                      b"job\n", "text/plain"))
             else:
-                self._failed(conn)
+                self.admission.failed(conn)
                 self._peer_log(conn.addr, "rtop hub: HTTP request from %r without the view "
                                "token; refused", conn.who)
-                t.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n"
-                        b"Connection: close\r\n\r\n")
-        elif path != "/metrics":
-            t.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                t.write(http.response("401 Unauthorized"))
+        elif request.path != "/metrics":
+            t.write(http.response("404 Not Found"))
         else:
-            body = self._metrics_text()
-            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; "
-                    b"charset=utf-8\r\n"
-                    + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                    + body)
+            t.write(http.response("200 OK", self._metrics_text(),
+                                  "text/plain; version=0.0.4; charset=utf-8"))
         conn.close()
-
 
 METRICS_CACHE_S = 1.0  # one exposition serves every scrape within this (0.3 s at 1,024 ranks)
 

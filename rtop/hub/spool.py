@@ -61,7 +61,8 @@ from rtop.run.spool import (
     recorded_ranks,
     spool_files,
 )
-from rtop.run.state import ProtocolError, RunState, clean_identity
+from rtop.run.state import RunState
+from rtop.run.validate import ProtocolError, clean_identity
 
 if TYPE_CHECKING:
     from rtop.hub.server import Hub
@@ -96,7 +97,7 @@ class SpoolIngest:
         if mono < self._next or (self._task is not None and not self._task.done()):
             return
         self._next = mono + self.every_s
-        self._task = self.hub._spawn(self.scan())
+        self._task = self.hub.spawn(self.scan())
 
     async def scan(self) -> None:
         """Take in the spools that are this hub's (when it records), then prune."""
@@ -158,7 +159,7 @@ class SpoolIngest:
             ident = clean_identity(header.get("identity"))
         except ProtocolError:
             return False
-        group = RunState._group_of(ident)
+        group = RunState.group_of(ident)
         for att in [*state.attempts, *state.pending.values()]:
             rs = att.ranks.get(ident.rank) if att.group == group else None
             if rs is not None:
@@ -203,7 +204,7 @@ class SpoolIngest:
             if frame.kind == wire.KIND_HELLO:
                 peer = rs
                 if rs is not None:
-                    self._spool_groups.add(RunState._group_of(rs.identity))
+                    self._spool_groups.add(RunState.group_of(rs.identity))
                 clean = {k: v for k, v in frame.payload.items()
                          if k not in ("nonce", "token", "proof")}
                 raw = wire.encode(wire.KIND_HELLO, clean)

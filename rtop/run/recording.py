@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from collectors import wire
-from rtop.run.state import ProtocolError, RunState
+from rtop.run.state import RunState
+from rtop.run.validate import ProtocolError
 
 log = logging.getLogger("rtop")
 

@@ -35,7 +35,8 @@ from collectors import wire
 from collectors.discovery import pid_alive, read_private_file, runtime_dir
 from collectors.identity import Identity
 from collectors.spool import KIND_SPOOL, KIND_SPOOL_END, SPOOL_PREFIX, SPOOL_SUFFIX
-from rtop.run.state import ProtocolError, RankState, RunState, clean_identity
+from rtop.run.state import RankState, RunState
+from rtop.run.validate import ProtocolError, clean_identity
 
 #: The largest spool file read (the collectors' bound is 64 MiB by default).
 MAX_SPOOL_BYTES = 1 << 30
@@ -435,7 +436,7 @@ def mark(path: Path, suffix: str) -> Path | None:
 
 def rank_key(ident: Identity) -> tuple[str, int, str, int]:
     """``(group, rank, hostname, pid)`` of a cleaned identity: one rank process."""
-    return (RunState._group_of(ident), ident.rank, ident.hostname, ident.pid)
+    return (RunState.group_of(ident), ident.rank, ident.hostname, ident.pid)
 
 
 def spool_key(header: dict[str, Any]) -> tuple[str, int, str, int] | None:
@@ -479,7 +480,7 @@ class SpoolTally:
                 return None
             self.ranks.add(rank_key(ident))
             if self.current is not None:
-                return st.rank_state(ident.rank, RunState._group_of(ident))
+                return st.rank_state(ident.rank, RunState.group_of(ident))
         return None
 
 

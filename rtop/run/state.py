@@ -8,24 +8,9 @@ new attempt and the previous attempt's ranks are kept, ended, for its history (t
 windows are given up only when the new attempt needs the room).
 
 Nothing a peer sends is trusted: every frame is checked before anything of it is kept
-(:class:`ProtocolError` says what is wrong, and nothing of that frame is applied), and
-what is kept is bounded:
+(:mod:`rtop.run.validate`: :class:`ProtocolError` says what is wrong, and nothing of
+that frame is applied), and what is kept is bounded:
 
-* identity: integers in range (``0 <= rank < world_size <= 2**20``), strings of at most
-  255 characters (hostname, job, group, node id), no map where a string belongs;
-* rows: as many values as their table (``collectors.schema``) has fields, numbers where
-  numbers belong, at most ``MAX_ROWS`` per table per batch; a number that is not
-  finite (inf, nan) or beyond ±2**64 is "not measured" (None), like a missing one; a
-  step's ``collectives`` a map of at most ``MAX_OPS`` collectives (names made safe),
-  each with its four figures;
-* names and other strings (hostnames, job and node names, the phase, notes, errors):
-  control characters, Unicode format characters and line separators are replaced with
-  U+FFFD and lengths are capped (:func:`rtop.fmt.safe_text`), so a name cannot retitle a
-  terminal, move its cursor or hide text; stacks and error messages keep their newlines
-  and tabs. Markup characters (``[``, ``]``) stay: names are text and every view draws
-  them as text, never as markup;
-* ``meta`` and the collector's info: maps of at most 64 entries with string keys,
-  lists of at most 64 items (the newest kept), nesting at most 4 deep;
 * windows are allocated as ranks arrive (the arrays grow in steps of at least 64 rank
   slots), never from a claimed world size, and at most ``max_ranks`` ranks hold one at
   a time (all attempts together; ended attempts give theirs up first); a hello beyond
@@ -48,9 +33,7 @@ import numpy as np
 from collectors import wire
 from collectors.identity import Identity
 from collectors.schema import (
-    ADDED_FIELDS,
     COLLECTIVE_FIGURES,
-    EVENT_FIELDS,
     GPU_FIELDS,
     HEARTBEAT_FIELDS,
     HOST_FIELDS,
@@ -67,6 +50,26 @@ from rtop.run.snapshot import (
     RankDetail,
     RunInfo,
     Status,
+)
+from rtop.run.validate import (
+    MAX_ENTRIES,
+    MAX_ERROR,
+    MAX_MAGNITUDE,
+    MAX_NAME,
+    MAX_NOTE,
+    MAX_OPS,
+    MAX_WORD,
+    MAX_WORLD,
+    ProtocolError,
+    check_count,
+    check_number,
+    check_opt_text,
+    check_rows,
+    check_text,
+    clean_identity,
+    clean_meta,
+    clean_value,
+    described,
 )
 
 #: Step fields kept per rank in the rolling window.
@@ -127,203 +130,22 @@ class RunView(TypedDict):
     build_s: float
 
 
-class ProtocolError(ValueError):
-    """A frame is well-formed msgpack but not what the protocol says it should hold."""
+# ---- what the state holds at most -------------------------------------------------------
 
-
-# ---- what a frame may hold (see the module doc) ----------------------------------------
-
-#: The most ranks a world may claim (a claim costs nothing: windows come as ranks do).
-MAX_WORLD: Final = 1 << 20
 #: The most ranks whose windows a run state holds at once, unless told otherwise
 #: (about 84 kB each with the default windows: 1.4 GB at the limit).
 MAX_RANKS: Final = 16384
-#: The most rows of one table in one batch (a collector sends at most a few thousand).
-MAX_ROWS: Final = 1 << 16
-#: The most collectives a step's ``collectives`` map may name.
-MAX_OPS: Final = 16
 #: Recent steps whose per-collective figures a rank keeps (for its detail).
 COLLECTIVE_STEPS: Final = 64
-#: Strings: names (hostname, job, group, node id), short words (a phase, a device), the
-#: notes and other strings of ``meta``, an error message, a Python stack.
-MAX_NAME: Final = 255
-MAX_WORD: Final = 64
-MAX_NOTE: Final = 1024
-MAX_ERROR: Final = 4096
 #: Groups at most that may wait at once beside the current attempt (see
 #: :meth:`RunState.on_hello`); a hello for one more is refused.
 MAX_PENDING: Final = 4
 #: Groups that waited and left without taking over, kept for the report.
 MAX_STRAYS: Final = 8
-MAX_STACK: Final = 20000
-#: ``meta`` and the collector's info: entries of a map, items of a list, nesting.
-MAX_ENTRIES: Final = 64
-MAX_DEPTH: Final = 4
-#: Numbers beyond this magnitude are not measurements: "not measured", like inf and nan.
-_BIG: Final = float(1 << 64)
 
-_INT_FIELDS: Final = {  # identity integers: (lowest, highest)
-    "rank": (0, MAX_WORLD - 1), "local_rank": (0, MAX_WORLD - 1),
-    "world_size": (1, MAX_WORLD), "pid": (0, (1 << 32) - 1),
-    "attempt": (-(1 << 31), (1 << 31) - 1)}
-_STR_FIELDS: Final = {"hostname": MAX_NAME, "ip": MAX_WORD, "job": MAX_NAME,
-                      "group": MAX_NAME, "node_id": MAX_NAME, "source": MAX_WORD}
-_REQUIRED: Final = ("rank", "local_rank", "world_size", "hostname", "ip", "pid")
-
-# Per table, per field: None for a number, else (limit, multiline, keep_end) of a string.
-_StrSpec = tuple[int, bool, bool]
-_WORD: Final = (MAX_WORD, False, False)
-_TABLES: Final[dict[str, tuple[tuple[str, ...], tuple[_StrSpec | None, ...]]]] = {
-    name: (fields, tuple(strings.get(f) for f in fields))
-    for name, fields, strings in (
-        ("steps", STEP_FIELDS, {}),
-        ("gpu", GPU_FIELDS, {}),
-        ("host", HOST_FIELDS, {}),
-        ("mem", MEM_FIELDS, {"device": _WORD}),
-        ("hb", HEARTBEAT_FIELDS, {"phase": _WORD, "stack": (MAX_STACK, True, True)}),
-        ("events", EVENT_FIELDS, {"kind": _WORD}),
-    )}
-
-
-#: Per table, the indices of its string fields.
-_STRINGS: Final = {name: frozenset(j for j, k in enumerate(kinds) if k is not None)
-                   for name, (_, kinds) in _TABLES.items()}
-#: Per table, the indices of its map fields (a step's ``collectives``).
-_MAPS: Final = {name: frozenset(j for j, f in enumerate(fields) if f == "collectives")
-                for name, (fields, _) in _TABLES.items()}
 _S_COLL: Final = STEP_FIELDS.index("collectives")
 _S_COMM: Final = tuple(STEP_FIELDS.index(f) for f in ("comm_s", "comm_bytes", "comm_calls",
                                                        "busbw_Bps"))
-
-
-def _what(x: Any) -> str:
-    """A value named for an error message: its type, and a short repr."""
-    r = repr(x)
-    return f"{type(x).__name__} {r if len(r) <= 40 else r[:39] + '…'}"
-
-
-def _text(where: str, x: Any, limit: int, *, multiline: bool = False,
-          keep_end: bool = False) -> str:
-    if not isinstance(x, str):
-        raise ProtocolError(f"{where} must be a string, got {_what(x)}")
-    return safe_text(x, limit, multiline=multiline, keep_end=keep_end)
-
-
-def _opt_text(where: str, x: Any, limit: int, *, multiline: bool = False) -> str | None:
-    return None if x is None else _text(where, x, limit, multiline=multiline)
-
-
-def _number(where: str, x: Any) -> float | int | None:
-    """A number as measured: None for missing, non-finite or absurd; refused if not a
-    number at all."""
-    if x is None:
-        return None
-    if type(x) is int:
-        return x
-    if type(x) is float:
-        return x if -_BIG <= x <= _BIG else None  # NaN compares false: None too
-    raise ProtocolError(f"{where} must be a number, got {_what(x)}")
-
-
-def _count(where: str, x: Any) -> int | None:
-    """A non-negative integer counter (None when absent)."""
-    if x is None:
-        return None
-    if type(x) is not int or x < 0:
-        raise ProtocolError(f"{where} must be a non-negative integer, got {_what(x)}")
-    return x
-
-
-def clean_value(where: str, x: Any, depth: int = 0) -> Any:
-    """A free-form value (``meta``, the collector's info, a run header) made safe:
-    strings capped and stripped of control characters, numbers finite or None, maps of
-    string keys and lists bounded (see the module doc); anything else is refused."""
-    if x is None or type(x) in (bool, int):
-        return x
-    if type(x) is float:
-        return x if -_BIG <= x <= _BIG else None
-    if isinstance(x, str):
-        return safe_text(x, MAX_NOTE)
-    if depth >= MAX_DEPTH and isinstance(x, (list, dict)):
-        raise ProtocolError(f"{where} is nested more than {MAX_DEPTH} deep")
-    if isinstance(x, list):
-        return [clean_value(where, v, depth + 1) for v in x[-MAX_ENTRIES:]]
-    if isinstance(x, dict):
-        if len(x) > MAX_ENTRIES:
-            raise ProtocolError(f"{where} has {len(x)} entries (at most {MAX_ENTRIES})")
-        out = {}
-        for k, v in x.items():
-            if not isinstance(k, str):
-                raise ProtocolError(f"{where} has a key that is not a string: {_what(k)}")
-            out[safe_text(k, MAX_WORD)] = clean_value(f"{where}.{safe_text(k, MAX_WORD)}", v,
-                                                      depth + 1)
-        return out
-    raise ProtocolError(f"{where} holds {_what(x)}, which is not a number, string, list "
-                        "or map")
-
-
-def clean_identity(raw: Any) -> Identity:
-    """A hello's identity, checked field by field (see the module doc)."""
-    if not isinstance(raw, dict):
-        raise ProtocolError(f"hello without an identity map (got {_what(raw)})")
-    for k in _REQUIRED:
-        if k not in raw:
-            raise ProtocolError(f"hello identity has no '{k}'")
-    out: dict[str, Any] = {}
-    for k, (lo, hi) in _INT_FIELDS.items():
-        if k in raw:
-            v = raw[k]
-            if type(v) is not int or not lo <= v <= hi:
-                raise ProtocolError(f"hello identity: '{k}' must be an integer from {lo} "
-                                    f"to {hi}, got {_what(v)}")
-            out[k] = v
-    for k, limit in _STR_FIELDS.items():
-        if k in raw:
-            out[k] = _text(f"hello identity: '{k}'", raw[k], limit)
-    if out["rank"] >= out["world_size"]:
-        raise ProtocolError(f"hello identity: rank {out['rank']} is outside its world of "
-                            f"{out['world_size']} ranks")
-    return Identity(**out)
-
-
-def clean_meta(meta: Any) -> dict[str, Any]:
-    """A batch's ``meta`` (the collector's notes, the device, ...), made safe; the
-    fields the views read must have their types."""
-    if not isinstance(meta, dict):
-        raise ProtocolError(f"'meta' must be a map, got {_what(meta)}")
-    out: dict[str, Any] = clean_value("meta", meta)
-    notes = out.get("notes")
-    if notes is not None and not (isinstance(notes, list)
-                                  and all(isinstance(n, str) for n in notes)):
-        raise ProtocolError("meta.notes must be a list of strings")
-    for k in ("device_reason", "mem_device"):
-        if out.get(k) is not None and not isinstance(out[k], str):
-            raise ProtocolError(f"meta.{k} must be a string, got {_what(out[k])}")
-    if out.get("device") is not None and not isinstance(out["device"], dict):
-        raise ProtocolError(f"meta.device must be a map, got {_what(out['device'])}")
-    return out
-
-
-def clean_split(where: str, x: Any) -> dict[str, list[float | int | None]] | None:
-    """A step's ``collectives`` map (``{op: [s, bytes, calls, busbw_Bps]}``), checked:
-    at most ``MAX_OPS`` names made safe, each with its four figures as numbers or None
-    (a non-finite one is "not measured"); None stays None."""
-    if x is None:
-        return None
-    if not isinstance(x, dict):
-        raise ProtocolError(f"{where} must be a map of collectives, got {_what(x)}")
-    if len(x) > MAX_OPS:
-        raise ProtocolError(f"{where} names {len(x)} collectives (at most {MAX_OPS})")
-    out: dict[str, list[float | int | None]] = {}
-    for op, figures in x.items():
-        if not isinstance(op, str):
-            raise ProtocolError(f"{where} has a key that is not a string: {_what(op)}")
-        if type(figures) is not list or len(figures) != len(COLLECTIVE_FIGURES):
-            raise ProtocolError(f"{where}: '{safe_text(op, MAX_WORD)}' must be a list of "
-                                f"{len(COLLECTIVE_FIGURES)} numbers")
-        name = safe_text(op, MAX_WORD)
-        out[name] = [_number(f"{where}: '{name}'", v) for v in figures]
-    return out
 
 
 def step_split(row: list[Any]) -> dict[str, list[float | int | None]] | None:
@@ -381,52 +203,9 @@ class CollectiveWindow:
 
 
 def _num(x: Any) -> float:
-    """A checked row's number (see :func:`_check_rows`) for an array: None is NaN."""
+    """A checked row's number (see :func:`check_rows`) for an array: None is NaN."""
     out: float = _NAN if x is None else x
     return out
-
-
-def _check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any]]:
-    """Rows of a table (``collectors.schema``), each as long as the table (``width``,
-    if given, must say so), numbers where numbers belong (a non-finite one becomes
-    None) and strings made safe, in place; rows from an older collector, shorter by the
-    table's ``ADDED_FIELDS``, are padded with None (not measured). Raises
-    :class:`ProtocolError` saying what is wrong."""
-    fields, kinds = _TABLES[name]
-    assert width is None or width == len(fields), (name, width)
-    width = len(fields)
-    oldest = width - len(ADDED_FIELDS.get(name, ()))
-    if not isinstance(rows, list):
-        raise ProtocolError(f"'{name}' must be a list of rows, got {_what(rows)}")
-    if len(rows) > MAX_ROWS:
-        raise ProtocolError(f"'{name}' has {len(rows)} rows in one batch (at most "
-                            f"{MAX_ROWS})")
-    strings = _STRINGS[name]
-    maps = _MAPS[name]
-    for i, r in enumerate(rows):
-        if type(r) is not list or not oldest <= len(r) <= width:
-            n = len(r) if type(r) is list else _what(r)
-            raise ProtocolError(f"malformed '{name}' rows: row {i} is not a list of "
-                                f"{width} values (got {n})")
-        if len(r) < width:
-            r.extend([None] * (width - len(r)))
-        for j, v in enumerate(r):
-            t = type(v)
-            if t is float:
-                if not -_BIG <= v <= _BIG:  # inf, nan, absurd: not measured
-                    r[j] = None
-            elif t is not int and v is not None and j not in strings and j not in maps:
-                raise ProtocolError(f"'{name}' row {i}: '{fields[j]}' must be a number, "
-                                    f"got {_what(v)}")
-        for j in maps:
-            r[j] = clean_split(f"'{name}' row {i}: '{fields[j]}'", r[j])
-        for j in strings:
-            v = r[j]
-            if v is not None:
-                limit, multiline, keep_end = cast(_StrSpec, kinds[j])
-                r[j] = _text(f"'{name}' row {i}: '{fields[j]}'", v, limit,
-                             multiline=multiline, keep_end=keep_end)
-    return rows
 
 
 @dataclass
@@ -644,13 +423,15 @@ class RunState:
                 for f, v in zip(self.steps.fields, med.tolist(), strict=True)}
 
     @staticmethod
-    def _group_of(ident: Identity) -> str:
+    def group_of(ident: Identity) -> str:
+        """The worker group a rank belongs to: its identity's ``group``, else its job and
+        attempt (an attempt is one group's ranks)."""
         return ident.group or f"{ident.job}#{ident.attempt}"
 
     def _attempt_for(self, ident: Identity, t_hub: float) -> Attempt:
         """The attempt of ``ident``'s group; a group not seen yet waits (``pending``)
         until :meth:`_settle` finds it takes over."""
-        group = self._group_of(ident)
+        group = self.group_of(ident)
         att = self._by_group.get(group)
         if att is not None:
             return att
@@ -763,7 +544,7 @@ class RunState:
         introduced (the hub's; None before its hello, and for a recording): one
         connection is one rank, so a hello or a frame for another rank is refused.
         """
-        if not -_BIG <= t_hub <= _BIG:
+        if not -MAX_MAGNITUDE <= t_hub <= MAX_MAGNITUDE:
             raise ProtocolError(f"a frame at hub time {t_hub!r}")
         if t_hub > self.now:
             self.now = t_hub
@@ -787,8 +568,8 @@ class RunState:
             elif kind == wire.KIND_BYE:
                 self.on_bye(rs, p, t_hub)
             elif kind == "offset":
-                offset = _number("offset: 'offset_s'", p.get("offset_s"))
-                rtt = _number("offset: 'rtt_s'", p.get("rtt_s"))
+                offset = check_number("offset: 'offset_s'", p.get("offset_s"))
+                rtt = check_number("offset: 'rtt_s'", p.get("rtt_s"))
                 rs.offset_s, rs.rtt_s = offset, rtt
             else:
                 how = p.get("how")
@@ -820,10 +601,10 @@ class RunState:
     def _rank_of(self, p: dict[str, Any], peer: RankState | None = None) -> RankState:
         rank = p.get("rank")
         if type(rank) is not int:
-            raise ProtocolError(f"frame without an integer 'rank' (got {_what(rank)})")
+            raise ProtocolError(f"frame without an integer 'rank' (got {described(rank)})")
         group = p.get("group")
         if group is not None and not isinstance(group, str):
-            raise ProtocolError(f"'group' must be a string, got {_what(group)}")
+            raise ProtocolError(f"'group' must be a string, got {described(group)}")
         rs = self.rank_state(rank, safe_text(group, MAX_NAME) if group else None)
         if rs is None:
             raise ProtocolError(f"frame for rank {rank} before its hello")
@@ -843,9 +624,9 @@ class RunState:
         ident = clean_identity(p.get("identity"))
         collector = clean_value("collector", p["collector"]) \
             if isinstance(p.get("collector"), dict) else None
-        group = self._group_of(ident)
+        group = self.group_of(ident)
         if peer is not None and (peer.rank != ident.rank
-                                 or self._group_of(peer.identity) != group):
+                                 or self.group_of(peer.identity) != group):
             raise ProtocolError(f"one connection is one rank: this connection speaks for "
                                 f"rank {peer.rank}, not rank {ident.rank} of group {group!r}")
         att = self._by_group.get(group)
@@ -874,9 +655,9 @@ class RunState:
 
     def on_bye(self, rs: RankState, p: dict[str, Any], t_hub: float) -> None:
         """The rank said goodbye: finished, exited, or failed with an error."""
-        reason = _opt_text("bye: 'reason'", p.get("reason"), MAX_WORD)
-        error = _opt_text("bye: 'error'", p.get("error"), MAX_ERROR, multiline=True)
-        dropped = _count("bye: 'dropped'", p.get("dropped"))
+        reason = check_opt_text("bye: 'reason'", p.get("reason"), MAX_WORD)
+        error = check_opt_text("bye: 'error'", p.get("error"), MAX_ERROR, multiline=True)
+        dropped = check_count("bye: 'dropped'", p.get("dropped"))
         rs.status = "failed" if error else ("exited" if reason == "exit" else "finished")
         rs.connected, rs.last_seen = False, t_hub
         rs.bye_reason = reason
@@ -890,12 +671,12 @@ class RunState:
     def on_batch(self, rs: RankState, p: dict[str, Any], t_hub: float,
                  history: bool = True) -> None:
         """Records from a rank (all of it checked before anything is stored)."""
-        steps = _check_rows("steps", p.get("steps") or [])
-        gpu = _check_rows("gpu", p.get("gpu") or [])
-        host = _check_rows("host", p.get("host") or [])
-        mem = _check_rows("mem", p.get("mem") or [])
-        hbs = _check_rows("hb", p.get("hb") or [])
-        events = _check_rows("events", p.get("events") or [])
+        steps = check_rows("steps", p.get("steps") or [])
+        gpu = check_rows("gpu", p.get("gpu") or [])
+        host = check_rows("host", p.get("host") or [])
+        mem = check_rows("mem", p.get("mem") or [])
+        hbs = check_rows("hb", p.get("hb") or [])
+        events = check_rows("events", p.get("events") or [])
         meta = clean_meta(p["meta"]) if p.get("meta") is not None else None
         if meta is not None:
             p["meta"] = meta
@@ -903,8 +684,8 @@ class RunState:
             if grown > MAX_ENTRIES:
                 raise ProtocolError(f"meta would hold {grown} entries (at most "
                                     f"{MAX_ENTRIES})")
-        dropped = _count("batch: 'dropped'", p.get("dropped"))
-        cpu = _number("batch: 'cpu_s'", p.get("cpu_s"))
+        dropped = check_count("batch: 'dropped'", p.get("dropped"))
+        cpu = check_number("batch: 'cpu_s'", p.get("cpu_s"))
         slot = rs.slot
         if slot is not None and history:
             for row in steps:
@@ -1018,8 +799,8 @@ class RunState:
         nothing: a crash is still a crash."""
         code = p.get("code")
         if type(code) is not int:
-            raise ProtocolError(f"job_exit without an integer 'code' (got {_what(code)})")
-        at = _number("job_exit: 'exited_at'", p.get("exited_at"))
+            raise ProtocolError(f"job_exit without an integer 'code' (got {described(code)})")
+        at = check_number("job_exit: 'exited_at'", p.get("exited_at"))
         ended = JobExit(code, float(at) if at is not None else t_hub)
         self.job_exit = ended
         if code != 0:
@@ -1071,7 +852,7 @@ class RunState:
         ``[i, j, Bps]`` with ``i < j`` and the slower of the two directions.
         """
         if not isinstance(result, dict):
-            raise ProtocolError(f"a link probe's result must be a map, got {_what(result)}")
+            raise ProtocolError(f"a link probe's result must be a map, got {described(result)}")
         ranks, nodes, matrix = result.get("ranks"), result.get("nodes"), \
             result.get("matrix_Bps")
         if not isinstance(ranks, list) or not all(
@@ -1082,7 +863,7 @@ class RunState:
             raise ProtocolError(f"links: {n} ranks, distinct and at most {self.max_ranks}")
         if not isinstance(nodes, list) or len(nodes) != n:
             raise ProtocolError("links: 'nodes' must name the node of each rank")
-        names = [_text("links: a node", x, MAX_NAME) for x in nodes]
+        names = [check_text("links: a node", x, MAX_NAME) for x in nodes]
         if not isinstance(matrix, list) or len(matrix) != n:
             raise ProtocolError(f"links: 'matrix_Bps' must have {n} rows")
         m = np.full((n, n), np.nan)
@@ -1094,7 +875,7 @@ class RunState:
                                     "not a number")
             m[i] = [_NAN if v is None else v for v in row]
         with np.errstate(invalid="ignore"):
-            m[~np.isfinite(m) | (m < 0) | (m > _BIG)] = np.nan
+            m[~np.isfinite(m) | (m < 0) | (m > MAX_MAGNITUDE)] = np.nan
         both = np.fmin(m, m.T)  # the slower direction where both were measured
         iu, ju = np.triu_indices(n, 1)
         vals = both[iu, ju]
@@ -1107,8 +888,8 @@ class RunState:
         self._links = ProbeLinks(
             t=float(t), ranks=list(ranks), nodes=names, links=links,
             busbw_Bps=self._busbw_now(),
-            seconds=_number("links: 'seconds'", result.get("seconds")),
-            nbytes=_number("links: 'nbytes'", result.get("nbytes")),
+            seconds=check_number("links: 'seconds'", result.get("seconds")),
+            nbytes=check_number("links: 'nbytes'", result.get("nbytes")),
             errors=err_list)
         self._links_attempt = self.current.number if self.current else None
 

@@ -23,7 +23,8 @@ from rtop.analysis import AnalysisConfig, Monitor
 from rtop.fmt import fmt_duration
 from rtop.run.recording import ReadResult, read
 from rtop.run.snapshot import HubInfo, RankDetail, ReplayInfo, Snapshot
-from rtop.run.state import ProtocolError, RunState
+from rtop.run.state import RunState
+from rtop.run.validate import ProtocolError
 from rtop.tui.messages import DetailReceived, SnapshotReceived, SourceStatus
 
 #: How a source hands a message to the app (``App.post_message``).
