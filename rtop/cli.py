@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from collectors.figures import figures
 from rtop import __version__
 from rtop.fmt import fixed, fmt_ranks
 from rtop.run.snapshot import Snapshot
@@ -636,17 +637,17 @@ def format_snapshot(snap: Snapshot) -> str:
              f"up {run.get('uptime_s', 0):.0f} s  at {time.strftime('%H:%M:%S')}"]
     for finding in snap.get("findings") or []:
         lines.append(f"! {finding.get('kind')}: {finding.get('summary')}")
-    head = (f"{'rank':>4} {'node':<14} {'status':<8} {'step':>6} {'step ms':>8} "
-            f"{'data ms':>8} {'comp ms':>8} {'comm ms':>8} {'busbw GB/s':>10} {'GPU %':>6}")
+    # then one column per figure shown in ``rtop status`` (``collectors.figures``)
+    shown = [(f.name, f.text) for f in figures() if f.text is not None and f.text.status]
+    head = " ".join([f"{'rank':>4} {'node':<14} {'status':<8} {'step':>6}",
+                     *(f"{t.label:>{t.width}}" for _, t in shown)])
     lines += [head, "-" * len(head)]
+    named: dict[str, Any] = dict(cols)
     for i, rank in enumerate(cols.get("rank", [])):
-        lines.append(
+        lines.append(" ".join([
             f"{rank:>4} {cols['node'][i][:14]:<14} {cols['status'][i]:<8} "
-            f"{fixed(cols['step'][i] if cols['step'][i] >= 0 else None, digits=0):>6} "
-            f"{fixed(cols['step_s'][i], 1e3):>8} "
-            f"{fixed(cols['data_wait_s'][i], 1e3):>8} {fixed(cols['compute_s'][i], 1e3):>8} "
-            f"{fixed(cols['comm_s'][i], 1e3):>8} {fixed(cols['busbw_Bps'][i], 1e-9, 3):>10} "
-            f"{fixed(cols['gpu_util_pct'][i], 1, 0):>6}")
+            f"{fixed(cols['step'][i] if cols['step'][i] >= 0 else None, digits=0):>6}",
+            *(f"{fixed(named[name][i], t.scale, t.digits):>{t.width}}" for name, t in shown)]))
     return "\n".join(lines)
 
 

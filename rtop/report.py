@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from collectors import wire
+from collectors.figures import Figure, figures
 from collectors.raytrain import RAY_DATA_FIELDS
-from collectors.schema import COLLECTIVE_FIGURES, GPU_FIELDS, MEM_FIELDS, STEP_FIELDS
+from collectors.schema import COLLECTIVE_FIGURES, STEP_FIELDS, TABLES
 from rtop.analysis import AnalysisConfig, Monitor
 from rtop.fmt import fixed, safe_text
 from rtop.run.recording import ReadResult, replay
@@ -37,28 +38,26 @@ from rtop.run.spool import (
 from rtop.run.state import Attempt, RankState, RunState, step_split
 from rtop.run.validate import ProtocolError
 
-#: Step fields summarised as medians over the run.
-MEDIAN_STEP_FIELDS = ("step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
-                      "comm_exposed_s", "comm_bytes", "busbw_Bps", "samples")
+#: The figures a rank's entry sums up over the run (the figures' ``report``): medians,
+#: peaks and last values, under their report keys, in the table's order.
+REPORTED = tuple(f for f in figures() if f.report is not None)
+#: Per wire table: the reported figures read from its rows, with their fields' index.
+_READ = {table: [(f, fields.index(f.source)) for f in REPORTED if f.table == table]
+         for table, fields in TABLES.items()}
+#: The columns of the text table (the figures' ``text``), then free GB and status.
+TEXT_COLUMNS = tuple((f.key, f.text) for f in REPORTED if f.text is not None and f.text.report)
 _S = {f: i for i, f in enumerate(STEP_FIELDS)}
-_G = {f: i for i, f in enumerate(GPU_FIELDS)}
-_M = {f: i for i, f in enumerate(MEM_FIELDS)}
 
 
 class _Acc:
     """Everything the report keeps of one rank: compact arrays, not rows."""
 
     def __init__(self) -> None:
-        self.steps: dict[str, array[float]] = {f: array("d") for f in MEDIAN_STEP_FIELDS}
-        self.gpu_util: array[float] = array("d")
-        self.gpu_mem: array[float] = array("d")
-        self.gpu_power: array[float] = array("d")
-        self.gpu_clock: array[float] = array("d")
-        self.gpu_total: float | None = None
-        self.peak: float | None = None
-        self.capacity: float | None = None
-        self.static: tuple[Any, Any, Any] = (None, None, None)
-        self.mem_device: str | None = None
+        #: per reported figure: its values (medians), its largest (peaks), its last
+        self.values: dict[str, array[float]] = {
+            f.name: array("d") for f in REPORTED if f.report == "median"}
+        self.peak: dict[str, float] = {}
+        self.last: dict[str, Any] = {}
         self.n_steps = 0
         self.first_step: int | None = None
         self.last_step: int | None = None
@@ -70,39 +69,32 @@ class _Acc:
         self.collectives: dict[str, list[array[float]]] = {}
 
     def add_batch(self, p: dict[str, Any]) -> None:
+        for table, read in _READ.items():
+            for row in p.get(table) or ():
+                for f, j in read:
+                    v = row[j]
+                    if v is None:
+                        continue
+                    if f.report == "median":
+                        if isinstance(v, (int, float)):
+                            self.values[f.name].append(float(v))
+                    elif f.report == "peak":
+                        if isinstance(v, (int, float)):
+                            self.peak[f.name] = max(self.peak.get(f.name, float(v)), float(v))
+                    else:
+                        self.last[f.name] = v
         for row in p.get("steps") or []:
             self.n_steps += 1
             step = row[_S["step"]]
             if isinstance(step, int):
                 self.first_step = step if self.first_step is None else self.first_step
                 self.last_step = step
-            for f in MEDIAN_STEP_FIELDS:
-                v = row[_S[f]]
-                if isinstance(v, (int, float)):
-                    self.steps[f].append(float(v))
-            for op, figures in (step_split(row) or {}).items():
+            for op, split in (step_split(row) or {}).items():
                 arrays = self.collectives.get(op)
                 if arrays is None:
                     arrays = self.collectives[op] = [array("d") for _ in COLLECTIVE_FIGURES]
-                for arr, v in zip(arrays, figures, strict=True):
+                for arr, v in zip(arrays, split, strict=True):
                     arr.append(float("nan") if v is None else float(v))
-        for row in p.get("gpu") or []:
-            for arr, key in ((self.gpu_util, "util_pct"), (self.gpu_mem, "mem_used_bytes"),
-                             (self.gpu_power, "power_w"), (self.gpu_clock, "sm_clock_mhz")):
-                v = row[_G[key]]
-                if isinstance(v, (int, float)):
-                    arr.append(float(v))
-            total = row[_G["mem_total_bytes"]]
-            if isinstance(total, (int, float)):
-                self.gpu_total = float(total)
-        for row in p.get("mem") or []:
-            peak, cap = row[_M["peak_bytes"]], row[_M["capacity_bytes"]]
-            if isinstance(peak, (int, float)):
-                self.peak = max(self.peak or 0.0, float(peak))
-            if isinstance(cap, (int, float)):
-                self.capacity = float(cap)
-            self.mem_device = row[_M["device"]]
-            self.static = (row[_M["param_bytes"]], row[_M["grad_bytes"]], row[_M["optim_bytes"]])
         for ev in p.get("events") or []:
             if len(ev) >= 3 and ev[1] == "checkpoint" and isinstance(ev[2], (int, float)):
                 self.checkpoints.append(float(ev[2]))
@@ -114,6 +106,15 @@ def _median(values: array[float]) -> float | int | None:
         return None
     med = statistics.median(values)
     return int(med) if med.is_integer() and abs(med) < 2**53 else med
+
+
+def _summary(f: Figure, acc: _Acc) -> Any:
+    """A reported figure over the run (None: never measured)."""
+    if f.report == "median":
+        return _median(acc.values[f.name])
+    if f.report == "peak":
+        return acc.peak.get(f.name)
+    return acc.last.get(f.name)
 
 
 def _rank_entry(rs: RankState, acc: _Acc) -> dict[str, Any]:
@@ -128,20 +129,11 @@ def _rank_entry(rs: RankState, acc: _Acc) -> dict[str, Any]:
         "first_step": acc.first_step,
         "last_step": acc.last_step,
     }
-    for f in MEDIAN_STEP_FIELDS:
-        entry[f] = _median(acc.steps[f])
-    entry["samples_per_step"] = entry.pop("samples")
-    entry["gpu_util_pct"] = _median(acc.gpu_util)
-    entry["gpu_mem_used_bytes"] = max(acc.gpu_mem) if len(acc.gpu_mem) else None
-    entry["gpu_mem_total_bytes"] = acc.gpu_total
-    entry["gpu_power_w"] = _median(acc.gpu_power)
-    entry["gpu_sm_clock_mhz"] = _median(acc.gpu_clock)
-    entry["mem_device"] = acc.mem_device
-    entry["peak_bytes"] = acc.peak
-    entry["capacity_bytes"] = acc.capacity
-    entry["headroom_bytes"] = (acc.capacity - acc.peak
-                               if acc.capacity is not None and acc.peak is not None else None)
-    entry["param_bytes"], entry["grad_bytes"], entry["optim_bytes"] = acc.static
+    for f in REPORTED:
+        entry[f.key] = _summary(f, acc)
+    peak, capacity = entry["peak_bytes"], entry["capacity_bytes"]
+    entry["headroom_bytes"] = (capacity - peak
+                               if capacity is not None and peak is not None else None)
     entry["checkpoints"] = len(acc.checkpoints)
     entry["checkpoint_s"] = statistics.median(acc.checkpoints) if acc.checkpoints else None
     entry["collectives"] = {
@@ -327,19 +319,15 @@ def format_text(report: dict[str, Any]) -> str:
     else:
         out.append("Findings: none")
         out.append("")
-    head = (f"{'rank':>4} {'node':<14} {'steps':>6} {'step ms':>8} {'data ms':>8} "
-            f"{'comp ms':>8} {'comm ms':>8} {'exp ms':>7} {'comm MB':>8} {'busbw GB/s':>10} "
-            f"{'GPU %':>6} {'peak GB':>8} {'free GB':>8} {'status':>8}")
+    head = " ".join([f"{'rank':>4} {'node':<14} {'steps':>6}",
+                     *(f"{t.label:>{t.width}}" for _, t in TEXT_COLUMNS),
+                     f"{'free GB':>8} {'status':>8}"])
     out += [head, "-" * len(head)]
     for r in report["ranks"]:
-        out.append(
-            f"{r['rank']:>4} {r['node'][:14]:<14} {r['steps']:>6} "
-            f"{fixed(r['step_s'], 1e3):>8} {fixed(r['data_wait_s'], 1e3):>8} "
-            f"{fixed(r['compute_s'], 1e3):>8} {fixed(r['comm_s'], 1e3):>8} "
-            f"{fixed(r['comm_exposed_s'], 1e3):>7} {fixed(r['comm_bytes'], 1e-6, 2):>8} "
-            f"{fixed(r['busbw_Bps'], 1e-9, 3):>10} {fixed(r['gpu_util_pct'], 1, 0):>6} "
-            f"{fixed(r['peak_bytes'], 1e-9, 2):>8} {fixed(r['headroom_bytes'], 1e-9, 2):>8} "
-            f"{r['status']:>8}")
+        out.append(" ".join([
+            f"{r['rank']:>4} {r['node'][:14]:<14} {r['steps']:>6}",
+            *(f"{fixed(r[key], t.scale, t.digits):>{t.width}}" for key, t in TEXT_COLUMNS),
+            f"{fixed(r['headroom_bytes'], 1e-9, 2):>8} {r['status']:>8}"]))
     out += _attempt_lines(report) + _ray_data_lines(report["ranks"])
     return "\n".join(out)
 

@@ -1,7 +1,8 @@
 """The snapshot that reaches viewers has exactly the keys ``rtop/run/snapshot.py``
-declares: the columns are generated from the wire's tables, the declaration is written
-by hand, and mypy only checks the code against the declaration. These tests check the
-declaration against what is really built, from a recording and from a live hub."""
+declares: the columns are generated from the table of figures (``collectors.figures``),
+the declaration is written by hand, and mypy only checks the code against the
+declaration. These tests check the declaration against the table and against what is
+really built, from a recording and from a live hub."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from collectors import wire
+from collectors.figures import FIGURES, PREFIX
+from collectors.schema import TABLES
 from rtop.analysis import AnalysisConfig, Monitor
 from rtop.client import HubClient
 from rtop.hub.service import ThreadedHub
@@ -21,6 +24,55 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 def keys(td: Any) -> set[str]:
     return set(td.__required_keys__) | set(td.__optional_keys__)
+
+
+def test_the_declared_snapshot_is_the_table_of_figures():
+    """Every figure the table says a snapshot carries is a declared column, and every
+    declared column a figure of the table; the nodes' columns are the figures a node
+    keeps its worst rank's of."""
+    assert keys(shape.RankColumns) == {f.name for f in FIGURES if f.snapshot}
+    assert keys(shape.NodeColumns) == {"node", "ranks", "active"} | {
+        f.name for f in FIGURES if f.node is not None}
+
+
+def test_every_wire_field_is_a_figure():
+    """Each field a rank sends is declared once (besides the samples' time stamps, the
+    steps' collectives map, heartbeat and event details), under its table's prefix."""
+    declared = {(f.table, f.source) for f in FIGURES}
+    for table in ("steps", "gpu", "host", "mem"):
+        fields = [x for x in TABLES[table] if x not in ("collectives",)
+                  and (table == "steps" or x != "t_wall")]
+        missing = [x for x in fields if (table, x) not in declared]
+        assert not missing, (table, missing)
+    for f in FIGURES:
+        assert f.name.startswith(PREFIX[f.table]) or f.field, f.name
+
+
+def test_every_use_of_a_figure_finds_it():
+    """What each view takes from the table is there: Prometheus series and the UI read
+    snapshot columns, the rank detail reads histories the hub keeps, the report has a key
+    for each figure it sums up."""
+    from dataclasses import fields
+
+    from rtop.hub.metrics import RANK_COUNTERS, RANK_GAUGES
+    from rtop.report import build_report
+    from rtop.run.state import SAMPLE_HISTORY, STEP_HISTORY
+    from rtop.tui.model import NodeRow, RankRow
+
+    columns = keys(shape.RankColumns)
+    assert {s.column for s in RANK_GAUGES + RANK_COUNTERS} <= columns
+    assert {s.name for s in RANK_GAUGES + RANK_COUNTERS} == {
+        p.name for f in FIGURES for p in f.prometheus}
+    row, node = {f.name for f in fields(RankRow)}, {f.name for f in fields(NodeRow)}
+    for f in FIGURES:
+        if f.column is not None:
+            assert f.snapshot and f.name in row, f.name
+        if f.node is not None:
+            assert f.name in row and f.name in node, f.name
+        if f.detail is not None:
+            assert f.name in STEP_HISTORY + SAMPLE_HISTORY, f.name
+    entry = build_report(FIXTURES / "starved.rtop", find_spools=False)["ranks"][0]
+    assert {f.key for f in FIGURES if f.report is not None} <= set(entry)
 
 
 def check_snapshot(snap: dict[str, Any]) -> None:

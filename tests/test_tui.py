@@ -86,7 +86,7 @@ async def test_sorting_by_columns_and_reversing():
         assert [r.rank for r in rows(app)] == [2, 1, 0]
         for _ in range(4):  # rank -> node -> status -> step -> step ms
             await pilot.press("s")
-        assert app.overview.sort_key == "step ms"
+        assert app.overview.sort_key == "step_s"
         steps = [r.step_s for r in rows(app)]
         assert steps == sorted(steps, reverse=True)
         await pilot.press("w")
@@ -236,7 +236,7 @@ async def test_live_hub_ranks_appear_and_a_vanished_hub_is_reported():
             await until(pilot, lambda: len(rows(app)) == 4)
             by_rank = {r.rank: r for r in rows(app)}
             assert by_rank[3].step_s == pytest.approx(0.08, rel=0.01)
-            assert by_rank[0].gpu_util == pytest.approx(90.0)
+            assert by_rank[0].gpu_util_pct == pytest.approx(90.0)
             seen = app.snapshots_seen
             await until(pilot, lambda: app.snapshots_seen >= seen + 3)  # keeps updating
             hub.stop()
@@ -297,8 +297,8 @@ async def test_a_thousand_ranks_fold_by_node():
 
 
 def test_every_column_draws_a_missing_figure_as_na_within_its_width():
-    blank = RankRow(7, "node-a", "active", "", None, *([None] * 14), None)
-    node = NodeRow("node-a", 8, 8, None, None, None, None, "", True)
+    blank = RankRow(rank=7, node="node-a", status="active", badge="", step=None, phase=None)
+    node = NodeRow(node="node-a", ranks=8, active=8, badge="", folded=True)
     for col in COLUMNS:
         for row in (blank, node):
             text = "".join(seg.text for seg in col.draw(row))

@@ -13,6 +13,7 @@ from typing import TypeGuard
 
 import numpy as np
 
+from collectors.figures import figures
 from rtop.analysis.config import AnalysisConfig
 from rtop.run.ring import nanmedian_rows
 from rtop.run.state import LATEST, RankState, RunState
@@ -21,8 +22,8 @@ _LATEST = {f: i for i, f in enumerate(LATEST)}
 #: How often the diagnosis runs (``rtop.analysis.monitor.EVAL_EVERY_S``, which imports
 #: this module): the long memory fit is refitted a slice per evaluation.
 EVAL_EVERY_S = 0.5
-_STEP_FIGURES = ("step_s", "data_wait_s", "compute_s", "comm_s", "comm_exposed_s",
-                 "comm_bytes", "busbw_Bps")
+#: The step figures the diagnosis reads (the figures' ``diagnosis``), in wire order.
+_STEP_FIGURES = tuple(f.name for f in figures("steps") if f.diagnosis)
 
 
 def measured(x: float | None) -> TypeGuard[float]:
@@ -43,10 +44,10 @@ class Window:
     status: list[str]
     active: np.ndarray  # status == "active"
     world_size: int
-    steps: dict[str, np.ndarray]  # recent medians: step_s, data_wait_s, ...
+    steps: dict[str, np.ndarray]  # recent medians: step_s, data_wait_s, ... (_STEP_FIGURES)
     n_recent: np.ndarray  # steps the medians are taken over
-    #: (n, k): each recent step's figures (step_s, data_wait_s, compute_s), NaN where a
-    #: step is not among the recent ones; oldest first
+    #: (n, k): each recent step's figures (the same ones), NaN where a step is not among
+    #: the recent ones; oldest first
     recent: dict[str, np.ndarray]
     #: (n, k): when each of those steps ended (the rank's wall clock, relative to its
     #: slot's base: comparable within a rank only), NaN where not among the recent ones
@@ -242,8 +243,7 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None,
         latest[gone] = np.nan
         clocks[gone] = np.nan
     steps = {f: med[:, j + 1] for j, f in enumerate(_STEP_FIGURES)}
-    recent = {f: per_step[:, :, _STEP_FIGURES.index(f)]
-              for f in ("step_s", "data_wait_s", "compute_s")}
+    recent = {f: per_step[:, :, j] for j, f in enumerate(_STEP_FIGURES)}
     lat = {f: latest[:, i] for f, i in _LATEST.items()}
     # how long each rank has been in its phase: as of its last heartbeat, plus since then
     last_seen = np.array([r.last_seen for r in ranks])

@@ -21,6 +21,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from collectors.figures import figures
 from rtop.fmt import num, safe_text
 from rtop.run.snapshot import Snapshot
 
@@ -39,82 +40,14 @@ class Series:
     offset: float = 0.0  # added after scaling (the step counter from 0 → steps done)
 
 
-#: Per-rank gauges: medians over each rank's recent steps, latest samples otherwise.
-RANK_GAUGES = (
-    Series("rtop_step_seconds", "step_s", "Median iteration time over recent steps"),
-    Series("rtop_data_wait_seconds", "data_wait_s",
-           "Median time blocked in the data loader per step"),
-    Series("rtop_compute_seconds", "compute_s",
-           "Median compute time per step (outside collectives)"),
-    Series("rtop_gpu_seconds", "gpu_s", "Median GPU time of the step body (CUDA events)"),
-    Series("rtop_comm_seconds", "comm_s", "Median collective time in flight per step"),
-    Series("rtop_comm_exposed_seconds", "comm_exposed_s",
-           "Median collective time per step not overlapped with compute"),
-    Series("rtop_comm_bytes", "comm_bytes", "Median bytes moved by collectives per step"),
-    Series("rtop_busbw_bytes_per_second", "busbw_Bps",
-           "Median collective bus bandwidth (nccl-tests convention)"),
-    Series("rtop_step_samples", "samples", "Median samples per step"),
-    Series("rtop_gap_seconds", "gap_s",
-           "Median time between a step's end and the next iteration's start"),
-    Series("rtop_last_step", "step", "Last step number reported (from 0; -1 before one)"),
-    Series("rtop_last_seen_seconds", "last_seen_s", "Seconds since the rank's last frame"),
-    Series("rtop_clock_offset_seconds", "offset_s", "The rank's clock minus the hub's"),
-    Series("rtop_phase_seconds", "phase_s",
-           "How long the current phase had lasted at the last heartbeat"),
-    Series("rtop_gpu_utilization_percent", "gpu_util_pct", "GPU utilization (NVML)"),
-    Series("rtop_gpu_memory_utilization_percent", "gpu_mem_util_pct",
-           "GPU memory controller utilization (NVML)"),
-    Series("rtop_gpu_memory_used_bytes", "gpu_mem_used_bytes", "GPU memory used (NVML)"),
-    Series("rtop_gpu_memory_total_bytes", "gpu_mem_total_bytes", "GPU memory total (NVML)"),
-    Series("rtop_gpu_power_watts", "gpu_power_w", "GPU power draw (NVML)"),
-    Series("rtop_gpu_power_limit_watts", "gpu_power_limit_w", "GPU power limit (NVML)"),
-    Series("rtop_gpu_temperature_celsius", "gpu_temp_c", "GPU temperature (NVML)"),
-    Series("rtop_gpu_sm_clock_hertz", "gpu_sm_clock_mhz", "GPU SM clock (NVML)", 1e6),
-    Series("rtop_gpu_sm_clock_max_hertz", "gpu_sm_clock_max_mhz",
-           "GPU maximum SM clock (NVML)", 1e6),
-    Series("rtop_gpu_clock_event_reasons", "gpu_clock_event_reasons",
-           "NVML clock event (throttle) reasons, as NVML's bit mask"),
-    Series("rtop_gpu_pcie_tx_bytes_per_second", "gpu_pcie_tx_Bps", "PCIe transmit (NVML)"),
-    Series("rtop_gpu_pcie_rx_bytes_per_second", "gpu_pcie_rx_Bps", "PCIe receive (NVML)"),
-    Series("rtop_gpu_nvlink_tx_bytes_per_second", "gpu_nvlink_tx_Bps",
-           "NVLink transmit (NVML)"),
-    Series("rtop_gpu_nvlink_rx_bytes_per_second", "gpu_nvlink_rx_Bps",
-           "NVLink receive (NVML)"),
-    Series("rtop_host_process_cpu_percent", "host_proc_cpu_pct",
-           "CPU of the rank's process (100 = one core)"),
-    Series("rtop_host_loader_cpu_percent", "host_loader_cpu_pct",
-           "CPU of the rank's data-loader workers (100 = one core)"),
-    Series("rtop_host_loader_processes", "host_loader_procs", "Data-loader worker processes"),
-    Series("rtop_host_rss_bytes", "host_rss_bytes", "Resident memory of the rank's process"),
-    Series("rtop_host_memory_available_bytes", "host_sys_mem_avail_bytes",
-           "Host memory available"),
-    Series("rtop_host_memory_total_bytes", "host_sys_mem_total_bytes", "Host memory total"),
-    Series("rtop_host_cgroup_memory_limit_bytes", "host_cgroup_mem_limit_bytes",
-           "Memory limit of the rank's cgroup"),
-    Series("rtop_host_cpu_percent", "host_sys_cpu_pct", "Host CPU utilization"),
-    Series("rtop_host_load1", "host_load_avg_1m", "Host load average over 1 minute"),
-    Series("rtop_mem_used_bytes", "mem_used_bytes", "Memory allocated on the training device"),
-    Series("rtop_mem_reserved_bytes", "mem_reserved_bytes",
-           "Memory reserved by the allocator on the training device"),
-    Series("rtop_mem_peak_bytes", "mem_peak_bytes", "Peak memory of the training device"),
-    Series("rtop_mem_capacity_bytes", "mem_capacity_bytes", "Capacity of the training device"),
-    Series("rtop_mem_param_bytes", "mem_param_bytes", "Bytes of parameters"),
-    Series("rtop_mem_grad_bytes", "mem_grad_bytes", "Bytes of gradients"),
-    Series("rtop_mem_optim_bytes", "mem_optim_bytes", "Bytes of optimizer state"),
-    Series("rtop_mem_process_bytes", "mem_process_bytes",
-           "All the process holds on the GPU (NVML)"),
-    # rtop's own cost on the rank
-    Series("rtop_collector_cpu_ratio", "rtop_cpu",
-           "Share of one core the rank's rtop collector uses (CPU seconds per second)"),
-)
+#: Per-rank gauges: medians over each rank's recent steps, latest samples otherwise
+#: (the figures' ``prometheus``, ``collectors.figures``).
+RANK_GAUGES = tuple(Series(p.name, f.name, p.help, p.scale, p.offset)
+                    for f in figures() for p in f.prometheus if not p.counter)
 
 #: Per-rank counters (``_total`` is added on output).
-RANK_COUNTERS = (
-    Series("rtop_steps", "step", "Steps the rank has completed (its step counter + 1)",
-           offset=1.0),
-    Series("rtop_dropped_records", "dropped",
-           "Records the rank's collector could not send (rtop's own cost)"),
-)
+RANK_COUNTERS = tuple(Series(p.name, f.name, p.help, p.scale, p.offset)
+                      for f in figures() for p in f.prometheus if p.counter)
 
 #: The hub's own counters (``HubInfo.counters`` and what the hub adds), as
 #: ``rtop_hub_<name>_total``; a counter not listed here is exposed with a plain help.

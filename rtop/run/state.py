@@ -31,6 +31,7 @@ from typing import Any, Final, TypedDict, cast
 import numpy as np
 
 from collectors import wire
+from collectors.figures import FIGURES, PREFIX, window_fields
 from collectors.identity import Identity
 from collectors.schema import (
     COLLECTIVE_FIGURES,
@@ -72,26 +73,27 @@ from rtop.run.validate import (
     described,
 )
 
-#: Step fields kept per rank in the rolling window.
-STEP_HISTORY = ("step", "t_wall", "step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
-                "comm_exposed_s", "comm_bytes", "busbw_Bps", "samples", "gap_s")
+#: Step fields kept per rank in the rolling window (the figures' ``window``, in wire order).
+STEP_HISTORY = window_fields("steps")
 #: Sample fields kept per rank (about one value a second); the rest is latest-only.
-SAMPLE_HISTORY = ("t_wall", "gpu_util_pct", "gpu_mem_used_bytes", "gpu_power_w",
-                  "gpu_temp_c", "gpu_sm_clock_mhz", "host_proc_cpu_pct",
-                  "host_loader_cpu_pct", "host_rss_bytes", "mem_used_bytes", "mem_peak_bytes")
-#: Step fields whose recent medians a snapshot carries.
-SNAPSHOT_STEP_FIELDS = ("step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
-                        "comm_exposed_s", "comm_bytes", "busbw_Bps", "samples", "gap_s")
+SAMPLE_HISTORY = ("t_wall", *(PREFIX[t] + f for t in ("gpu", "host", "mem")
+                              for f in window_fields(t)))
+#: Step fields whose recent medians a snapshot carries (its ``step`` column is the last
+#: step reported).
+SNAPSHOT_STEP_FIELDS = tuple(f.name for f in FIGURES
+                             if f.table == "steps" and f.snapshot and f.name != "step")
+#: Step figures a node's line takes from its worst rank, and how (larger or smaller).
+NODE_WORST = tuple((f.name, np.fmax if f.node == "max" else np.fmin)
+                   for f in FIGURES if f.node is not None)
 
 _STEP_PICK = [STEP_FIELDS.index(f) for f in STEP_HISTORY]
 _GPU = {f: i for i, f in enumerate(GPU_FIELDS)}
 _HOST = {f: i for i, f in enumerate(HOST_FIELDS)}
 _MEM = {f: i for i, f in enumerate(MEM_FIELDS)}
 _HB = {f: i for i, f in enumerate(HEARTBEAT_FIELDS)}
-_GPU_HIST = [_GPU[k] for k in ("util_pct", "mem_used_bytes", "power_w", "temp_c",
-                               "sm_clock_mhz")]
-_HOST_HIST = [_HOST[k] for k in ("proc_cpu_pct", "loader_cpu_pct", "rss_bytes")]
-_MEM_HIST = [_MEM[k] for k in ("used_bytes", "peak_bytes")]
+_GPU_HIST = [_GPU[k] for k in window_fields("gpu")]
+_HOST_HIST = [_HOST[k] for k in window_fields("host")]
+_MEM_HIST = [_MEM[k] for k in window_fields("mem")]
 #: Latest-sample columns (numbers only) kept per slot for snapshots.
 LATEST = tuple([f"gpu_{f}" for f in GPU_FIELDS[1:]] + [f"host_{f}" for f in HOST_FIELDS[1:]]
                + [f"mem_{f}" for f in MEM_FIELDS[2:]] + ["phase_s"])
@@ -987,8 +989,7 @@ class RunState:
         active = np.array([r.status == "active" for r in ranks], dtype=np.int64)
         out["active"] = np.bincount(node_of, weights=active, minlength=n).astype(int).tolist() \
             if n else []
-        for f, worst in (("step_s", np.fmax), ("data_wait_s", np.fmax), ("comm_s", np.fmax),
-                         ("busbw_Bps", np.fmin)):
+        for f, worst in NODE_WORST:
             agg = np.full(n, np.nan)
             if n:
                 worst.at(agg, node_of, med[:, self.steps.index[f]])

@@ -1,6 +1,9 @@
 """The ranks table's columns: title, width, sort, when each is dropped on a narrow
 terminal, and how each draws its cell for a rank and for a folded node.
 
+After rank, node and status, the columns are the figures' (``collectors.figures``:
+label, width, format, place and when dropped), each sorted by its figure's name.
+
 The data/compute/comm shares of the step are a stacked bar whose glyphs differ too, so
 it reads without colour (``NO_COLOR``).
 """
@@ -9,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from rich.segment import Segment
 from rich.style import Style
 
-from rtop.fmt import NA, fmt_bytes, fmt_ms, fmt_pct, fmt_rate
+from collectors.figures import Figure, Format, figures
+from rtop.fmt import NA, fixed, fmt_bytes, fmt_ms, fmt_pct, fmt_rate
 from rtop.tui.model import NodeRow, RankRow
 
 #: A cell's text and style.
@@ -84,7 +89,7 @@ class BarColumn(Column):
 def bar_segments(row: RankRow | NodeRow, width: int) -> list[Segment]:
     """The step as a stacked bar of data wait, compute and allreduce shares."""
     step = row.step_s
-    parts = [row.data_s, row.compute_s if isinstance(row, RankRow) else None, row.comm_s]
+    parts = [row.data_wait_s, row.compute_s if isinstance(row, RankRow) else None, row.comm_s]
     if not step or all(p is None for p in parts):
         return [Segment(NA.ljust(width) + " ", DIM)]
     segs: list[Segment] = []
@@ -114,28 +119,63 @@ def _node_status(n: NodeRow) -> Cell:
 
 
 def _memory(r: RankRow) -> Cell:
-    if r.mem_used is None:
+    if r.mem_used_bytes is None:
         return NA, PLAIN
-    return f"{fmt_bytes(r.mem_used)}/{fmt_bytes(r.mem_total)}".replace(" ", ""), PLAIN
+    return f"{fmt_bytes(r.mem_used_bytes)}/{fmt_bytes(r.mem_capacity_bytes)}".replace(
+        " ", ""), PLAIN
 
 
 def _free(r: RankRow) -> Cell:
-    low = r.headroom is not None and r.headroom < 0.1
-    return fmt_pct(r.headroom, 100), _LOW if low else PLAIN
+    low = r.headroom_ratio is not None and r.headroom_ratio < 0.1
+    return fmt_pct(r.headroom_ratio, 100), _LOW if low else PLAIN
 
 
 def _power(r: RankRow) -> Cell:
-    if r.power_w is None:
+    if r.gpu_power_w is None:
         return NA, PLAIN
-    return f"{r.power_w:.0f}/" + (f"{r.power_limit_w:.0f}W" if r.power_limit_w else "W"), PLAIN
+    limit = r.gpu_power_limit_w
+    return f"{r.gpu_power_w:.0f}/" + (f"{limit:.0f}W" if limit else "W"), PLAIN
 
 
 def _clock(r: RankRow) -> Cell:
-    if r.clock_mhz is None:
+    if r.gpu_sm_clock_mhz is None:
         return NA, PLAIN
-    top = r.clock_max_mhz
-    slow = bool(top) and r.clock_mhz < 0.9 * (top or 0.0)
-    return f"{r.clock_mhz:.0f}/" + (f"{top:.0f}" if top else "?"), _SLOW if slow else PLAIN
+    top = r.gpu_sm_clock_max_mhz
+    slow = bool(top) and r.gpu_sm_clock_mhz < 0.9 * (top or 0.0)
+    return f"{r.gpu_sm_clock_mhz:.0f}/" + (f"{top:.0f}" if top else "?"), \
+        _SLOW if slow else PLAIN
+
+
+#: How a value of each format prints (``collectors.figures.Format``), and in what style.
+FORMATS: dict[Format, tuple[Callable[[float | None], str], Style]] = {
+    "ms": (fmt_ms, PLAIN), "rate": (fmt_rate, PLAIN), "pct": (fmt_pct, PLAIN),
+    "bytes": (fmt_bytes, PLAIN), "num0": (lambda v: fixed(v, digits=0), PLAIN),
+    "int": (lambda v: NA if v is None else f"{v:.0f}", DIM),  # a counter: dim
+}
+#: The cells drawn from several of a rank's figures (a node's line leaves them blank).
+CELLS: dict[Format, Callable[[RankRow], Cell]] = {
+    "memory": _memory, "free": _free, "power": _power, "clock": _clock}
+
+
+def figure_column(f: Figure) -> Column:
+    """The column a figure declares: its value printed in its format (a folded node's
+    line shows the node's worst rank's, when the nodes keep one), or a cell the UI draws
+    from several figures."""
+    c = f.column
+    assert c is not None, f.name
+    if c.fmt == "bar":
+        return BarColumn(title=c.label, width=c.width, sort=f.name, drop=c.drop)
+    if c.fmt in CELLS:
+        return TextColumn(title=c.label, width=c.width, sort=f.name, drop=c.drop,
+                          rank=CELLS[c.fmt])
+    fmt, style = FORMATS[c.fmt]
+    value = attrgetter(f.name)
+    if f.node is None:
+        return TextColumn(title=c.label, width=c.width, sort=f.name, drop=c.drop,
+                          rank=lambda r: (fmt(value(r)), style))
+    return TextColumn(title=c.label, width=c.width, sort=f.name, drop=c.drop,
+                      rank=lambda r: (fmt(value(r)), style),
+                      node=lambda n: (fmt(value(n)), BOLD))
 
 
 COLUMNS: tuple[Column, ...] = (
@@ -146,24 +186,8 @@ COLUMNS: tuple[Column, ...] = (
                rank=lambda r: (r.node, DIM), node=lambda n: (n.node, BOLD)),
     TextColumn(title="status", width=10, sort="status", drop=0, right=False,
                rank=_status, node=_node_status),
-    TextColumn(title="step", width=7, sort="step", drop=6,
-               rank=lambda r: (NA if r.step is None else str(r.step), DIM)),
-    TextColumn(title="step ms", width=8, sort="step ms", drop=0,
-               rank=lambda r: (fmt_ms(r.step_s), PLAIN),
-               node=lambda n: (fmt_ms(n.step_s), BOLD)),
-    BarColumn(title="data▒ compute█ comm░", width=20, sort="data", drop=2),
-    TextColumn(title="comm ms", width=8, sort="comm", drop=5,
-               rank=lambda r: (fmt_ms(r.comm_s), PLAIN),
-               node=lambda n: (fmt_ms(n.comm_s), BOLD)),
-    TextColumn(title="busbw", width=10, sort="busbw", drop=3,
-               rank=lambda r: (fmt_rate(r.busbw), PLAIN),
-               node=lambda n: (fmt_rate(n.busbw), BOLD)),
-    TextColumn(title="GPU", width=5, sort="GPU", drop=3,
-               rank=lambda r: (fmt_pct(r.gpu_util), PLAIN)),
-    TextColumn(title="memory", width=17, sort="memory", drop=4, rank=_memory),
-    TextColumn(title="free", width=5, sort="free", drop=2, rank=_free),
-    TextColumn(title="power", width=10, sort="power", drop=7, rank=_power),
-    TextColumn(title="clock MHz", width=11, sort="clock", drop=8, rank=_clock),
+    *(figure_column(f) for f in sorted((f for f in figures() if f.column is not None),
+                                       key=lambda f: f.column.at if f.column else 0)),
 )
 
 

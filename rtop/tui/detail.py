@@ -15,22 +15,18 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Sparkline, Static
 
-from rtop.fmt import NA, fixed, fmt_bytes, fmt_ms, fmt_pct, fmt_rate, num, safe_text
+from collectors.figures import figures
+from rtop.fmt import NA, fmt_bytes, fmt_ms, fmt_rate, num, safe_text
 from rtop.run.snapshot import Column, RankDetail, Snapshot
+from rtop.tui.columns import FORMATS
 from rtop.tui.model import growth_forecast, memory_split, rank_rows
 
-#: (title, history, field, how to print a value): the rank's recent "steps" or "samples"
-SERIES: tuple[tuple[str, str, str, Callable[[float], str]], ...] = (
-    ("step ms", "steps", "step_s", fmt_ms),
-    ("data ms", "steps", "data_wait_s", fmt_ms),
-    ("compute ms", "steps", "compute_s", fmt_ms),
-    ("allreduce", "steps", "comm_s", fmt_ms),
-    ("GPU util", "samples", "gpu_util_pct", fmt_pct),
-    ("power W", "samples", "gpu_power_w", lambda v: fixed(v, digits=0)),
-    ("clock MHz", "samples", "gpu_sm_clock_mhz", lambda v: fixed(v, digits=0)),
-    ("host CPU", "samples", "host_proc_cpu_pct", fmt_pct),
-    ("memory", "samples", "mem_used_bytes", fmt_bytes),
-)
+#: (title, history, field, how to print a value): the rank's recent "steps" or "samples",
+#: one line per figure with a ``detail`` (``collectors.figures``), in the table's order
+SERIES: tuple[tuple[str, str, str, Callable[[float], str]], ...] = tuple(
+    (f.detail.label, "steps" if f.table == "steps" else "samples", f.name,
+     FORMATS[f.detail.fmt][0])
+    for f in figures() if f.detail is not None)
 
 
 def fmt_phase(seconds: object) -> str:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
+from typing import Any, cast
 
+from collectors.figures import BY_NAME, figures
 from rtop.analysis.kinds import BADGE_WEIGHT, KINDS
 from rtop.fmt import num, safe_text
 from rtop.run.snapshot import FindingDict, RankDetail, Snapshot
@@ -23,31 +25,33 @@ STATUS_BADGES: dict[str, str] = {"lost": "LOST", "failed": "FAILED", "exited": "
                                  "finished": "done", "ended": "ended"}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankRow:
-    """One rank as the table shows it."""
+    """One rank as the table shows it: its figures under their names in
+    ``collectors.figures`` (and the snapshot), None where not measured."""
 
     rank: int
     node: str
     status: str
     badge: str  # "" when nothing is wrong
     step: int | None  # the last step reported (None before the first)
-    step_s: float | None
-    data_s: float | None
-    compute_s: float | None
-    comm_s: float | None
-    exposed_s: float | None
-    busbw: float | None
-    gpu_util: float | None
-    mem_used: float | None
-    mem_total: float | None
-    headroom: float | None  # fraction of capacity left at the peak
-    power_w: float | None
-    power_limit_w: float | None
-    clock_mhz: float | None
-    clock_max_mhz: float | None
     phase: str | None
     highlighted: bool = False
+    step_s: float | None = None
+    data_wait_s: float | None = None
+    compute_s: float | None = None
+    comm_s: float | None = None
+    comm_exposed_s: float | None = None
+    busbw_Bps: float | None = None
+    gpu_util_pct: float | None = None
+    gpu_power_w: float | None = None
+    gpu_power_limit_w: float | None = None
+    gpu_sm_clock_mhz: float | None = None
+    gpu_sm_clock_max_mhz: float | None = None
+    mem_used_bytes: float | None = None  # the training device's, else NVML's
+    mem_peak_bytes: float | None = None  # the training device's, else what it uses
+    mem_capacity_bytes: float | None = None  # the training device's, else NVML's total
+    headroom_ratio: float | None = None  # share of the capacity left at the peak
 
     @property
     def severity(self) -> int:
@@ -56,20 +60,27 @@ class RankRow:
             5 if self.status in ("lost", "failed") else 0)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class NodeRow:
-    """A node folded into one line: its worst figures."""
+    """A node folded into one line: its worst figures (the figures' ``node``)."""
 
     node: str
     ranks: int
     active: int
-    step_s: float | None
-    data_s: float | None
-    comm_s: float | None
-    busbw: float | None
     badge: str
     folded: bool
     members: list[RankRow] = field(default_factory=list)
+    step_s: float | None = None
+    data_wait_s: float | None = None
+    comm_s: float | None = None
+    busbw_Bps: float | None = None
+
+
+#: The figures a rank's row reads from the snapshot's columns, by name.
+ROW_FIGURES = tuple(f.name for f in fields(RankRow) if f.name in BY_NAME and f.default is None)
+#: The figures a node's row folds its ranks' into, and how (its worst rank's).
+NODE_FIGURES: tuple[tuple[str, Callable[[list[float]], float]], ...] = tuple(
+    (f.name, max if f.node == "max" else min) for f in figures() if f.node is not None)
 
 
 def badges_of(findings: Sequence[FindingDict]) -> dict[int, str]:
@@ -86,53 +97,48 @@ def badges_of(findings: Sequence[FindingDict]) -> dict[int, str]:
     return out
 
 
+def _numbers(col: list[Any]) -> list[float | None]:
+    """A snapshot's column as numbers (:func:`rtop.fmt.num`; a finite float as it is)."""
+    return [x if type(x) is float and x - x == 0.0 else num(x) for x in col]
+
+
 def rank_rows(snap: Snapshot, highlight: set[int] | None = None) -> list[RankRow]:
     """Every rank of a snapshot as a row, in rank order."""
     cols = snap["ranks"]
     badges = badges_of(snap["findings"])
     hl = highlight or set()
-    used, cap, peak = cols["mem_used_bytes"], cols["mem_capacity_bytes"], cols["mem_peak_bytes"]
+    named = cast(Mapping[str, list[Any]], cols)
+    values = zip(*(_numbers(named[name]) for name in ROW_FIGURES), strict=True)
     gused, gtot = cols["gpu_mem_used_bytes"], cols["gpu_mem_total_bytes"]
     rows = []
-    for i, rank in enumerate(cols["rank"]):
-        u, c = num(used[i]) or num(gused[i]), num(cap[i]) or num(gtot[i])
-        p = num(peak[i]) or u
-        head = (c - p) / c if c and p is not None else None
+    for i, (rank, figs) in enumerate(zip(cols["rank"], values, strict=True)):
         st = str(cols["status"][i] or "")
         badge = badges.get(rank, "") or (STATUS_BADGES.get(st, "") if st != "active" else "")
         step = cols["step"][i]
-        rows.append(RankRow(
-            int(rank), safe_text(str(cols["node"][i] or "?")), st, badge,
-            step if step >= 0 else None,
-            num(cols["step_s"][i]), num(cols["data_wait_s"][i]), num(cols["compute_s"][i]),
-            num(cols["comm_s"][i]), num(cols["comm_exposed_s"][i]),
-            num(cols["busbw_Bps"][i]), num(cols["gpu_util_pct"][i]), u, c, head,
-            num(cols["gpu_power_w"][i]), num(cols["gpu_power_limit_w"][i]),
-            num(cols["gpu_sm_clock_mhz"][i]), num(cols["gpu_sm_clock_max_mhz"][i]),
-            cols["phase"][i], rank in hl))
+        row = RankRow(rank=int(rank), node=safe_text(str(cols["node"][i] or "?")), status=st,
+                      badge=badge, step=step if step >= 0 else None, phase=cols["phase"][i],
+                      highlighted=rank in hl, **dict(zip(ROW_FIGURES, figs, strict=True)))
+        u = row.mem_used_bytes = row.mem_used_bytes or num(gused[i])
+        c = row.mem_capacity_bytes = row.mem_capacity_bytes or num(gtot[i])
+        p = row.mem_peak_bytes = row.mem_peak_bytes or u
+        row.headroom_ratio = (c - p) / c if c and p is not None else None
+        rows.append(row)
     return rows
 
 
-#: Sortable columns: name -> key function (None sorts last).
+#: Sortable columns: name -> key function (None sorts last): the rank's own, then one per
+#: figure with a column (by the figure's name; a cell drawn from several figures sorts
+#: by the one it shows most, see ``rtop.tui.columns``).
 SORT_KEYS: dict[str, Callable[[RankRow], Any]] = {
     "worst": lambda r: (-r.severity, -(r.step_s or 0.0), r.rank),
     "rank": lambda r: r.rank,
     "node": lambda r: (r.node, r.rank),
-    "step": lambda r: r.step if r.step is not None else -1,
-    "step ms": lambda r: r.step_s,
-    "data": lambda r: r.data_s,
-    "compute": lambda r: r.compute_s,
-    "comm": lambda r: r.comm_s,
-    "busbw": lambda r: r.busbw,
-    "GPU": lambda r: r.gpu_util,
-    "memory": lambda r: r.mem_used,
-    "free": lambda r: r.headroom,
-    "power": lambda r: r.power_w,
-    "clock": lambda r: r.clock_mhz,
     "status": lambda r: (r.badge, r.status),
+    **{f.name: attrgetter("headroom_ratio" if f.column.fmt == "free" else f.name)
+       for f in figures() if f.column is not None},
 }
 #: Columns whose natural "worst first" order is descending.
-DESCENDING = {"step ms", "data", "compute", "comm", "memory", "power", "step"}
+DESCENDING = {f.name for f in figures() if f.column is not None and f.column.desc}
 
 
 def sort_rows(rows: list[RankRow], key: str = "worst", reverse: bool = False) -> list[RankRow]:
@@ -186,11 +192,11 @@ def group_rows(rows: list[RankRow], unfolded: set[str], fold_all: bool
         badge = max((m.badge for m in members if m.badge in BADGE_WEIGHT),
                     key=lambda b: BADGE_WEIGHT[b], default="")
         folded = (fold_all and node not in unfolded) or (not fold_all and node in unfolded)
-        groups.append(NodeRow(node, len(members), sum(m.status == "active" for m in members),
-                              _worst([m.step_s for m in members]),
-                              _worst([m.data_s for m in members]),
-                              _worst([m.comm_s for m in members]),
-                              _worst([m.busbw for m in members], min), badge, folded, members))
+        groups.append(NodeRow(
+            node=node, ranks=len(members), active=sum(m.status == "active" for m in members),
+            badge=badge, folded=folded, members=members,
+            **{name: _worst([getattr(m, name) for m in members], pick)
+               for name, pick in NODE_FIGURES}))
     groups.sort(key=lambda g: (-BADGE_WEIGHT.get(g.badge, 0), -(g.step_s or 0.0), g.node))
     for g in groups:
         out.append(g)

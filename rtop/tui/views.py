@@ -75,15 +75,16 @@ class FabricScreen(Screen[None]):
             t.add_row(Text(safe_text(str(name))), str(nodes["ranks"][i]),
                       str(nodes["active"][i]), fmt_rate(bus),
                       ratio_bar(bus, expected), fmt_ms(nodes["comm_s"][i]))
-        rows = sorted((r for r in rank_rows(snap) if r.busbw is not None),
-                      key=lambda r: r.busbw or 0.0)
+        rows = sorted((r for r in rank_rows(snap) if r.busbw_Bps is not None),
+                      key=lambda r: r.busbw_Bps or 0.0)
         rt = Table(title=f"per rank, slowest first ({min(len(rows), 32)} of {len(rows)})",
                    box=None, title_justify="left")
         for c in ("rank", "node", "busbw", "vs expected", "comm ms", "exposed ms"):
             rt.add_column(c, justify="right" if c not in ("node", "vs expected") else "left")
         for r in rows[:32]:
-            rt.add_row(str(r.rank), Text(r.node), fmt_rate(r.busbw), ratio_bar(r.busbw, expected),
-                       fmt_ms(r.comm_s), fmt_ms(r.exposed_s))
+            rt.add_row(str(r.rank), Text(r.node), fmt_rate(r.busbw_Bps),
+                       ratio_bar(r.busbw_Bps, expected), fmt_ms(r.comm_s),
+                       fmt_ms(r.comm_exposed_s))
         probe = snap.get("links")
         note = links_heatmap(probe, snap["t_hub"]) if probe else Text(
             "\nLink probe: no probe yet: press b to measure every link between ranks.", "dim")
