@@ -42,7 +42,8 @@ from collectors.identity import Identity
 from rtop.client import HubClient, HubError
 from rtop.workload import Faults, WorkloadSpec, run_local
 from tests.fakecuda import FakeCuda
-from tests.test_control import MASTER, Job, rtop, wait_for
+from tests.test_control import MASTER, Job, rtop
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534
@@ -220,26 +221,39 @@ def test_profile_steps_beyond_the_bound_are_refused() -> None:
     assert proc.returncode == 2 and "--steps must be 1 to 100" in proc.stderr
 
 
+GROWING_LOOP = """
+import json, sys
+import torch
+from collectors.profiler import ProfileCapture
+MiB = 1 << 20
+model = torch.nn.Linear(32, 32)
+answers = []
+cap = ProfileCapture(sys.argv[1], "rank0", 100, 0, answers.append)
+held = []
+step = 0
+while not cap.at_boundary(step):
+    model(torch.randn(8, 32)).sum().backward()
+    grown = bytearray(2 * MiB)
+    grown[::4096] = b"\\1" * (len(grown) // 4096)  # resident: each page written
+    held.append(grown)
+    step += 1
+print(json.dumps(answers))
+"""
+
+
 def test_a_capture_stops_early_when_the_rank_grows_past_its_bound(tmp_path: Path) -> None:
     """A real capture on a real (one-process) training loop whose memory grows 2 MiB a
     step: it stops at the first boundary past the bound and says so, with the trace of
-    the steps it has; before, it ran the 100 steps asked, however the rank grew."""
-    import torch
+    the steps it has; before, it ran the 100 steps asked, however the rank grew. (The
+    loop runs in a process of its own: in the test's process, memory other tests left
+    behind can be freed during the capture and hide the growth.)"""
+    from collectors.profiler import MAX_CAPTURE_GROWTH_BYTES
 
-    from collectors.profiler import MAX_CAPTURE_GROWTH_BYTES, ProfileCapture
-
-    model = torch.nn.Linear(32, 32)
-    answers: list[dict[str, Any]] = []
-    cap = ProfileCapture(str(tmp_path / "p"), "rank0", 100, 0, answers.append)
-    held: list[bytearray] = []
-    step = 0
-    while not cap.at_boundary(step):
-        model(torch.randn(8, 32)).sum().backward()
-        grown = bytearray(2 * MiB)
-        grown[::4096] = b"\1" * (len(grown) // 4096)  # resident: each page written
-        held.append(grown)
-        step += 1
-    (a,) = answers
+    proc = subprocess.run([sys.executable, "-c", GROWING_LOOP, str(tmp_path / "p")],
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "RTOP_AUTOHUB": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (a,) = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "error" not in a, a
     captured = a["steps"][1] - a["steps"][0] + 1
     bound_steps = MAX_CAPTURE_GROWTH_BYTES // (2 * MiB)
