@@ -18,12 +18,13 @@ What the application does with a figure:
 * ``window``: kept in the rank's rolling window on the hub (its step or sample history:
   the rank detail's sparklines, the detectors' trends);
 * ``snapshot``: a column of the snapshot's ranks. A step figure is its median over the
-  rank's recent steps; a sample figure is the rank's latest sample; a ``rank`` figure
-  is what the hub knows of the rank;
+  rank's recent steps, or, with ``quantile``, that quantile of the step field ``of``
+  over the rank's whole rolling window; a sample figure is the rank's latest sample; a
+  ``rank`` figure is what the hub knows of the rank;
 * ``diagnosis``: the diagnosis reads its recent median (``rtop.analysis.window``);
 * ``report``: how ``rtop report`` sums it up over the run: the ``median`` of its values,
-  their ``peak`` or the ``last`` one measured; under ``report_key`` where that public
-  key differs;
+  their ``peak``, the ``last`` one measured, or, with ``quantile``, that quantile of
+  ``of`` over every step of the run; under ``report_key`` where that public key differs;
 * ``node``: the nodes' view keeps each node's worst rank's figure (its ``max`` or ``min``);
 * ``prometheus``: the per-rank series it is exposed as (the names are public: never
   derived, never renamed);
@@ -45,7 +46,7 @@ from collectors.schema import TABLES
 #: knows of a rank (its identity, status, when it was last heard from, ...).
 Table = Literal["rank", "steps", "gpu", "host", "mem", "hb"]
 #: How ``rtop report`` sums a figure up over the run.
-Summary = Literal["median", "peak", "last"]
+Summary = Literal["median", "peak", "last", "quantile"]
 #: How a value prints, by name (``rtop.fmt``: ``ms`` milliseconds from seconds, ``rate``
 #: GB/s or MB/s, ``pct``, ``bytes``, ``int``, ``num0`` no decimals), or, for a UI column,
 #: a cell the UI draws from several figures (``bar``: the step's data / compute / comm
@@ -85,10 +86,12 @@ class Column:
 
 @dataclass(frozen=True)
 class Row:
-    """A line of the UI's rank detail (in the table's order)."""
+    """A line of the UI's rank detail (in the table's order): a sparkline of the figure's
+    history, or, for a statistic of the rank's window, its value and ``note``."""
 
     label: str
     fmt: Format
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,8 @@ class Figure:
     table: Table
     doc: str
     field: str = ""  # its field in the wire table; "" : the name less the table's prefix
+    of: str = ""  # a statistic of another step field: that field (with ``quantile``)
+    quantile: float | None = None
     window: bool = False
     snapshot: bool = True
     diagnosis: bool = False
@@ -124,8 +129,8 @@ class Figure:
 
     @property
     def source(self) -> str:
-        """The wire field it is read from."""
-        return self.field or self.name[len(PREFIX[self.table]):]
+        """The wire field it is read from (``of`` for a statistic of another field)."""
+        return self.of or self.field or self.name[len(PREFIX[self.table]):]
 
     @property
     def key(self) -> str:
@@ -169,6 +174,14 @@ FIGURES: Final[tuple[Figure, ...]] = (
                             "Median time blocked in the data loader per step"),),
            column=Column("data▒ compute█ comm░", 20, "bar", at=30, drop=2, desc=True),
            detail=Row("data ms", "ms"), text=Text("data ms", 8, 1e3)),
+    Figure("data_wait_p95_s", "steps", "95th percentile of data_wait_s over the rank's "
+           "rolling window of steps (the report: over the run): the stalls a median hides",
+           of="data_wait_s", quantile=0.95, report="quantile",
+           prometheus=(Prom("rtop_data_wait_p95_seconds", "95th percentile of the time "
+                            "blocked in the data loader per step, over the rank's rolling "
+                            "window of steps"),),
+           detail=Row("data p95", "ms", "ms, over the rank's rolling window of steps"),
+           text=Text("data p95", 8, 1e3, status=False)),
     Figure("compute_s", "steps", "step body minus the collective time it waited for",
            window=True, diagnosis=True, report="median",
            prometheus=(Prom("rtop_compute_seconds",
@@ -323,7 +336,7 @@ def figures(table: Table | None = None) -> tuple[Figure, ...]:
 
 def window_fields(table: str) -> tuple[str, ...]:
     """The fields of a wire table kept in the ranks' rolling windows, in wire order."""
-    kept = {f.source for f in FIGURES if f.table == table and f.window}
+    kept = {f.source for f in FIGURES if f.table == table and f.window and not f.of}
     return tuple(name for name in TABLES[table] if name in kept)
 
 
@@ -334,8 +347,13 @@ def _check() -> None:
         if f.table != "rank":
             assert f.source in TABLES[f.table], (f.name, f.source)
         assert f.name.startswith(PREFIX[f.table]) or f.field, f.name
-        # a step figure's snapshot column is its median over the window's recent steps
-        assert f.table != "steps" or f.window or not f.snapshot, f.name
+        # a step figure's snapshot column is its median over the window's recent steps,
+        # or a quantile of a field the window keeps
+        assert f.table != "steps" or f.window or f.of or not f.snapshot, f.name
+        assert (f.quantile is not None) == bool(f.of), f.name
+        assert f.report != "quantile" or f.of, f.name
+        assert not f.of or (f.table == "steps" and not f.window
+                            and f.of in window_fields("steps")), f.name
 
 
 _check()

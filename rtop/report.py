@@ -1,8 +1,9 @@
 """``rtop report RUN``: what each rank did over a whole recorded run.
 
-Per rank (of each attempt): medians over the run of the step figures, GPU utilization
-and memory where measured, peak memory and the headroom left, and the step's
-collectives split by collective (``collectives``: per collective, the medians of its
+Per rank (of each attempt): medians over the run of the step figures (and the data
+wait's 95th percentile, ``data_wait_p95_s``), GPU utilization and memory where
+measured, peak memory and the headroom left, and the step's collectives split by
+collective (``collectives``: per collective, the medians of its
 per-step time, bytes, calls and bus bandwidth over the steps in which it ran, and how
 many steps those were); then the findings. A
 figure that was never measured is ``null`` in JSON (``n/a`` in text), never 0. Works on
@@ -19,6 +20,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from collectors import wire
 from collectors.figures import Figure, figures
 from collectors.raytrain import RAY_DATA_FIELDS
@@ -26,6 +29,7 @@ from collectors.schema import COLLECTIVE_FIGURES, STEP_FIELDS, TABLES
 from rtop.analysis import AnalysisConfig, Monitor
 from rtop.fmt import fixed, safe_text
 from rtop.run.recording import ReadResult, replay
+from rtop.run.ring import nanquantile_rows
 from rtop.run.spool import (
     SpoolError,
     SpoolTally,
@@ -55,7 +59,7 @@ class _Acc:
     def __init__(self) -> None:
         #: per reported figure: its values (medians), its largest (peaks), its last
         self.values: dict[str, array[float]] = {
-            f.name: array("d") for f in REPORTED if f.report == "median"}
+            f.name: array("d") for f in REPORTED if f.report in ("median", "quantile")}
         self.peak: dict[str, float] = {}
         self.last: dict[str, Any] = {}
         self.n_steps = 0
@@ -75,7 +79,7 @@ class _Acc:
                     v = row[j]
                     if v is None:
                         continue
-                    if f.report == "median":
+                    if f.report in ("median", "quantile"):
                         if isinstance(v, (int, float)):
                             self.values[f.name].append(float(v))
                     elif f.report == "peak":
@@ -114,6 +118,10 @@ def _summary(f: Figure, acc: _Acc) -> Any:
         return _median(acc.values[f.name])
     if f.report == "peak":
         return acc.peak.get(f.name)
+    if f.report == "quantile" and f.quantile is not None:
+        values = np.frombuffer(acc.values[f.name], dtype=np.float64)
+        q = nanquantile_rows(values[None, :], f.quantile)[0] if len(values) else np.nan
+        return None if np.isnan(q) else float(q)
     return acc.last.get(f.name)
 
 

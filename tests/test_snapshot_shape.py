@@ -56,7 +56,7 @@ def test_every_use_of_a_figure_finds_it():
 
     from rtop.hub.metrics import RANK_COUNTERS, RANK_GAUGES
     from rtop.report import build_report
-    from rtop.run.state import SAMPLE_HISTORY, STEP_HISTORY
+    from rtop.run.state import SAMPLE_HISTORY, STEP_HISTORY, WINDOW_STATS
     from rtop.tui.model import NodeRow, RankRow
 
     columns = keys(shape.RankColumns)
@@ -69,8 +69,8 @@ def test_every_use_of_a_figure_finds_it():
             assert f.snapshot and f.name in row, f.name
         if f.node is not None:
             assert f.name in row and f.name in node, f.name
-        if f.detail is not None:
-            assert f.name in STEP_HISTORY + SAMPLE_HISTORY, f.name
+        if f.detail is not None:  # a history's sparkline, or a statistic of the window
+            assert f.name in STEP_HISTORY + SAMPLE_HISTORY or f in WINDOW_STATS, f.name
     entry = build_report(FIXTURES / "starved.rtop", find_spools=False)["ranks"][0]
     assert {f.key for f in FIGURES if f.report is not None} <= set(entry)
 

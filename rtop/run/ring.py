@@ -132,6 +132,18 @@ class Rings:
         out = block[local[:, None, None], idx[:, :, None], cols[None, None, :]]
         return out
 
+    def stored(self, slots: np.ndarray, field: str) -> np.ndarray:
+        """Every value of ``field`` each of ``slots`` holds, in storage order (not time
+        order): ``(len(slots), window)`` float32, NaN where a slot has fewer rows. For a
+        statistic the order does not change (a quantile): no index per row to compute."""
+        j = self.index[field]
+        out = np.empty((len(slots), self.window), dtype=np.float32)
+        which = np.searchsorted(np.array(self.starts), slots, side="right") - 1
+        for b in np.unique(which).tolist():
+            sel = which == b
+            out[sel] = self.blocks[b][slots[sel] - self.starts[b], :, j]
+        return out
+
     def history(self, field: str, slot: int) -> np.ndarray:
         """Every stored value of ``field`` for one slot, oldest first (float64)."""
         n = int(self.count[slot])
@@ -172,3 +184,22 @@ def nanmedian_rows(values: np.ndarray) -> np.ndarray:
     med = (a + b) / 2.0
     med[valid == 0] = np.nan
     return med
+
+
+def nanquantile_rows(values: np.ndarray, q: float) -> np.ndarray:
+    """The ``q`` quantile (0 to 1) of each row of a ``(n, k)`` array, ignoring NaN:
+    ``(n,)`` float64, NaN for a row with no value. Linear between the two nearest values,
+    as ``np.nanquantile``'s default, from one sort and a gather."""
+    n, k = values.shape
+    if n == 0 or k == 0:
+        return np.full(n, np.nan)
+    srt = np.sort(values, axis=1)  # NaN sorts last
+    valid = (~np.isnan(srt)).sum(axis=1)
+    pos = np.maximum(valid - 1, 0) * q
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, np.maximum(valid - 1, 0))
+    a = np.take_along_axis(srt, lo[:, None], axis=1)[:, 0].astype(np.float64)
+    b = np.take_along_axis(srt, hi[:, None], axis=1)[:, 0].astype(np.float64)
+    out: np.ndarray = a + (b - a) * (pos - lo)
+    out[valid == 0] = np.nan
+    return out

@@ -75,6 +75,8 @@ class RankColumns(TypedDict):
     busbw_Bps: Column
     samples: Column
     gap_s: Column
+    # statistics over each rank's whole rolling window of steps
+    data_wait_p95_s: Column
     # latest NVML sample
     gpu_util_pct: Column
     gpu_mem_util_pct: Column
@@ -266,6 +268,8 @@ class RankDetail(TypedDict):
     summary: NotRequired[dict[str, float | None]]  # medians kept once its window is freed
     steps: NotRequired[dict[str, Column]]  # step history, one column per field
     samples: NotRequired[dict[str, Column]]  # sample history, one column per field
+    #: statistics over its whole rolling window of steps (``data_wait_p95_s``, ...)
+    stats: NotRequired[dict[str, float | None]]
     #: the step's collectives split by collective, over its recent steps (worst first)
     collectives: NotRequired[dict[str, CollectiveFigures]]
     #: steps where the rank stood out from its peers but not for long enough to be named

@@ -21,11 +21,13 @@ from rtop.run.snapshot import Column, RankDetail, Snapshot
 from rtop.tui.columns import FORMATS
 from rtop.tui.model import growth_forecast, memory_split, rank_rows
 
-#: (title, history, field, how to print a value): the rank's recent "steps" or "samples",
-#: one line per figure with a ``detail`` (``collectors.figures``), in the table's order
-SERIES: tuple[tuple[str, str, str, Callable[[float], str]], ...] = tuple(
-    (f.detail.label, "steps" if f.table == "steps" else "samples", f.name,
-     FORMATS[f.detail.fmt][0])
+#: (title, history, field, how to print a value, note): one line per figure with a
+#: ``detail`` (``collectors.figures``), in the table's order: a sparkline of the rank's
+#: recent "steps" or "samples", or, with no history (""), a statistic of its window
+#: (``RankDetail.stats``), with its note
+SERIES: tuple[tuple[str, str, str, Callable[[float], str], str], ...] = tuple(
+    (f.detail.label, ("steps" if f.table == "steps" else "samples") if f.window else "",
+     f.name, FORMATS[f.detail.fmt][0], f.detail.note)
     for f in figures() if f.detail is not None)
 
 
@@ -175,6 +177,29 @@ class Series(Horizontal):
         spark.display = bool(vals)
 
 
+class Value(Static):
+    """A label with one value and what it is: a statistic of the rank's window."""
+
+    DEFAULT_CSS = """
+    Value { height: 1; }
+    """
+
+    def __init__(self, title: str, note: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.title, self.note = title, note
+
+    def show(self, value: float | None, fmt: Callable[[float], str]) -> None:
+        """Redraw with this value."""
+        label = Text(f"{self.title:<11}", "bold")
+        v = num(value)
+        if v is None:
+            label.append(" not measured", "dim")
+        else:
+            label.append(f"{fmt(v):>9} ")
+            label.append(self.note, "dim")
+        self.update(label)
+
+
 class RankScreen(Screen[None]):
     """Everything about one rank (a :class:`~rtop.tui.protocols.SnapshotView` and a
     :class:`~rtop.tui.protocols.RankDetailView`)."""
@@ -214,8 +239,8 @@ class RankScreen(Screen[None]):
         yield Static(Text(f"rank {self.rank}"), id="title")
         with VerticalScroll():
             with VerticalScroll(id="series"):
-                for title, *_ in SERIES:
-                    yield Series(title)
+                for title, src, _, _, note in SERIES:
+                    yield Series(title) if src else Value(title, note)
             yield Static("", id="memory")
             yield Static("", id="stack")
             yield Static("", id="events")
@@ -256,8 +281,13 @@ class RankScreen(Screen[None]):
             title.append(f"\nnow: {safe_text(str(hb[1]), 64)} for {fmt_phase(hb[2])}")
         self.query_one("#title", Static).update(title)
         history = {"steps": d.get("steps") or {}, "samples": d.get("samples") or {}}
-        for widget, (_, src, fld, fmt) in zip(self.query(Series), SERIES, strict=True):
-            widget.show(history[src].get(fld) or [], fmt)
+        stats = d.get("stats") or {}
+        lines = self.query_one("#series").children
+        for widget, (_, src, fld, fmt, _) in zip(lines, SERIES, strict=True):
+            if isinstance(widget, Series):
+                widget.show(history[src].get(fld) or [], fmt)
+            elif isinstance(widget, Value):
+                widget.show(stats.get(fld), fmt)
         mem = Text()
         split = memory_split(d)
         if split:
