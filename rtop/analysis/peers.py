@@ -91,7 +91,8 @@ def settling(values: np.ndarray, valid: np.ndarray, center: np.ndarray,
     now_x = values[rows, newest] - c
     prev_x = values[rows, prev] - c
     with np.errstate(invalid="ignore"):
-        return has_prev & (prev_x > 0) & (now_x < ratio * prev_x)
+        shrank: np.ndarray = has_prev & (prev_x > 0) & (now_x < ratio * prev_x)
+    return shrank
 
 
 def whole_nodes(node_of: np.ndarray, node_names: list[str], flagged: list[int],
