@@ -300,6 +300,12 @@ def input_findings(ctx: Context) -> list[Finding]:
             "loader_cpu_pct_median": _f(_nanmedian(w.latest["host_loader_cpu_pct"][ok]))}
         return [Finding.of("input_bound", ranks, ev_in, impact=med_share)]
     center, spread = peers.baseline(dw, ok)
+    # a shift of the whole fleet (every rank waiting more, as an input-bound phase
+    # begins) reaches the peers' newest steps before their medians: each rank is
+    # judged against the higher of the two, so the ranks that report first are not
+    # "starved" against peers whose medians have not caught up yet
+    c_now, s_now = peers.baseline(peers.newest(rec_dw, valid), ok)
+    center, spread = np.fmax(center, c_now), np.fmax(spread, s_now)
     k = ctx.factors("starved_rank", cfg.starved_clear)
     limit = peers.limit_above(center, spread, cfg.starved_ratio, cfg.starved_z, 0.0) * k
     limit = np.maximum(limit, cfg.starved_min_wait_s * k)

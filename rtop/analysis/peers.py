@@ -55,6 +55,17 @@ def baseline(values: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return center, spread
 
 
+def newest(values: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Per rank: its newest valid value of ``values`` (``(n, k)``, oldest first); NaN
+    where it has none."""
+    n, k = values.shape
+    if n == 0 or k == 0:
+        return np.full(n, np.nan)
+    last = k - 1 - np.argmax(valid[:, ::-1], axis=1)
+    out: np.ndarray = np.where(valid.any(axis=1), values[np.arange(n), last], np.nan)
+    return out
+
+
 def persistent(anomalous: np.ndarray, valid: np.ndarray, min_steps: int, fraction: float,
                newest: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Per rank: whether its condition (``anomalous``, ``(n, k)`` over its recent steps,
