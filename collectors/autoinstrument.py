@@ -224,10 +224,8 @@ class Auto:
     def model_built(self, model: Any) -> None:
         """A ``DistributedDataParallel`` model was built: watch it (guarded point
         ``auto.model``)."""
-        if self.off:
-            return
-        probe = self.probe or self._ensure("auto.model")
-        if probe is None or self.off:
+        probe = self._model_probe()
+        if probe is None:
             return
         try:
             probe.watch(model)
@@ -238,10 +236,7 @@ class Auto:
         """``fully_shard`` or FSDP1 sharded ``module`` (or a list of modules): the
         outermost ones are watched at the next step boundary, once every inner one is
         sharded too (guarded point ``auto.model``)."""
-        if self.off:
-            return
-        probe = self.probe or self._ensure("auto.model")
-        if probe is None or self.off:
+        if self._model_probe() is None:
             return
         try:
             for m in module if isinstance(module, (list, tuple)) else [module]:
@@ -312,6 +307,13 @@ class Auto:
             return True
         return not any(k in os.environ for k in RANK_ENV) and "ray" not in sys.modules
 
+    def _model_probe(self) -> Probe | None:
+        """The probe that watches a model, started now if need be; None when off."""
+        if self.off:
+            return None
+        probe = self.probe or self._ensure("auto.model")
+        return None if probe is None or self.off else probe
+
     def _ensure(self, point: str) -> Probe | None:
         """The probe, started now: the process begins to train (guarded point
         ``auto.start``). None when disabled or when the code has a probe of its own."""
@@ -352,12 +354,7 @@ class Auto:
         hub through the probe's faults); a step left open is ended. Never raises."""
         try:
             self.off = True
-            probe = self.probe
-            if probe is not None:
-                probe.fault(point, error)
-            else:
-                log.warning("rtop: %s is off for this process after an error in %s: %s: %s",
-                            FEATURE, point, type(error).__name__, error)
+            guard.integration_failed(self.probe, point, error, FEATURE, "process")
             if self._open is not None:
                 self._exit()
         except Exception:

@@ -85,11 +85,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from collectors.cuda_events import CAPTURES
 from collectors.schema import COLLECTIVE_OPS
-from collectors.timeline import union_length
+from collectors.timeline import merged, union_length
 
 if TYPE_CHECKING:
     from collectors.handover import CommTiming
@@ -206,37 +206,6 @@ def tensor_bytes(x: Any, depth: int = 0) -> int:
 Call = tuple[str, float, float, int, int, int]
 
 
-def _merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Disjoint, sorted intervals covering the same time."""
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
-        if e <= s:
-            continue
-        if out and s <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return out
-
-
-def intersection(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]
-                 ) -> list[tuple[float, float]]:
-    """The time covered by both ``a`` and ``b`` (each a set of intervals)."""
-    ma, mb = _merged(a), _merged(b)
-    out: list[tuple[float, float]] = []
-    i = j = 0
-    while i < len(ma) and j < len(mb):
-        s, e = max(ma[i][0], mb[j][0]), min(ma[i][1], mb[j][1])
-        if e > s:
-            out.append((s, e))
-        if ma[i][1] < mb[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
 class StepCollectives:
     """A step's collectives in figures: ``comm`` (``(comm_s, comm_exposed_s,
     comm_bytes, comm_calls, algbw_Bps, busbw_Bps)``), ``exposed_in`` (the exposed time
@@ -250,7 +219,7 @@ class StepCollectives:
                  lo: float, hi: float) -> None:
         intervals = [(c[1], c[2]) for c in calls]
         comm_s = union_length(intervals)
-        exp = _merged(exposed)
+        exp = merged(exposed)
         exposed_s = sum(e - s for s, e in exp)
         self.exposed_in = sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in exp)
         nbytes = sum(c[3] for c in calls)
@@ -481,6 +450,17 @@ def _complete_later(comm: CommTiming, entry: list[Any], cuda: Any, work: Any) ->
     future.add_done_callback(on_done)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _named(wrapper: F, name: str, original: Any) -> F:
+    """``wrapper`` under the name of the method it wraps, with its doc (what torch's own
+    introspection, a traceback and ``help()`` see)."""
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    return wrapper
+
+
 def _wrap_method(name: str, original: Any) -> Callable[..., Any]:
     op, pos, keys, times_size = METHODS[name]
 
@@ -505,9 +485,7 @@ def _wrap_method(name: str, original: Any) -> Callable[..., Any]:
             comm.fail_direct("collectives.launch", exc)
         return work
 
-    rtop_collective.__name__ = rtop_collective.__qualname__ = name
-    rtop_collective.__doc__ = getattr(original, "__doc__", None)
-    return rtop_collective
+    return _named(rtop_collective, name, original)
 
 
 def _wrap_wait(original: Any) -> Callable[..., Any]:
@@ -549,9 +527,7 @@ def _wrap_wait(original: Any) -> Callable[..., Any]:
             comm.fail_direct("collectives.wait", exc)
         return result
 
-    rtop_wait.__name__ = rtop_wait.__qualname__ = "wait"
-    rtop_wait.__doc__ = getattr(original, "__doc__", None)
-    return rtop_wait
+    return _named(rtop_wait, "wait", original)
 
 
 def _wrap_wait_event(original: Any) -> Callable[..., Any]:
@@ -581,9 +557,7 @@ def _wrap_wait_event(original: Any) -> Callable[..., Any]:
                 comm.fail_direct("collectives.wait", exc)
         return result
 
-    rtop_wait_event.__name__ = rtop_wait_event.__qualname__ = "wait_event"
-    rtop_wait_event.__doc__ = getattr(original, "__doc__", None)
-    return rtop_wait_event
+    return _named(rtop_wait_event, "wait_event", original)
 
 
 def _wrap_start_coalescing(original: Any) -> Callable[..., Any]:
@@ -597,9 +571,7 @@ def _wrap_start_coalescing(original: Any) -> Callable[..., Any]:
                 probe.comm.fail_direct("collectives.launch", exc)
         return result
 
-    rtop_start_coalescing.__name__ = rtop_start_coalescing.__qualname__ = "_start_coalescing"
-    rtop_start_coalescing.__doc__ = getattr(original, "__doc__", None)
-    return rtop_start_coalescing
+    return _named(rtop_start_coalescing, "_start_coalescing", original)
 
 
 def _wrap_end_coalescing(original: Any) -> Callable[..., Any]:
@@ -621,9 +593,7 @@ def _wrap_end_coalescing(original: Any) -> Callable[..., Any]:
                 comm.fail_direct("collectives.done", exc)
         return work
 
-    rtop_end_coalescing.__name__ = rtop_end_coalescing.__qualname__ = "_end_coalescing"
-    rtop_end_coalescing.__doc__ = getattr(original, "__doc__", None)
-    return rtop_end_coalescing
+    return _named(rtop_end_coalescing, "_end_coalescing", original)
 
 
 def _graph_replayed() -> None:

@@ -75,6 +75,34 @@ class TrainingAction(Protocol):
         """Stop (the rank closes or the hub cancelled); answer with ``why`` if not done."""
 
 
+class AnswerOnce:
+    """How a training action (a profile, a link probe) hands its answer over: once, the
+    first of its result and an abort's error, from whichever thread comes first; a
+    failure to hand it over is logged, never raised."""
+
+    def __init__(self, on_done: Callable[[dict[str, Any]], None], what: str) -> None:
+        self._on_done = on_done
+        self._what = what
+        self._lock = threading.Lock()
+        self._given = False
+
+    @property
+    def given(self) -> bool:
+        """Whether the answer was handed over (or is being)."""
+        return self._given
+
+    def __call__(self, answer: dict[str, Any]) -> None:
+        """Hand ``answer`` over, unless an answer was already."""
+        with self._lock:
+            if self._given:
+                return
+            self._given = True
+        try:
+            self._on_done(answer)
+        except Exception:
+            log.warning("rtop: %s could not be handed over", self._what, exc_info=True)
+
+
 class Armed:
     """A training-thread action waiting for (or running from) step ``at_step``."""
 

@@ -329,9 +329,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def read_hub_file(path: Path) -> dict[str, Any] | None:
-    """A hub file's contents if it is this user's private file (see
-    :func:`read_private_file`) and names a live hub process, else None. Never raises."""
+def _read_private_map(path: Path) -> dict[str, Any] | None:
+    """A private file's JSON map (see :func:`read_private_file`), else None. Never
+    raises."""
     data = read_private_file(path)
     if data is None:
         return None
@@ -339,7 +339,14 @@ def read_hub_file(path: Path) -> dict[str, Any] | None:
         info = json.loads(data)
     except ValueError:
         return None
-    if not isinstance(info, dict):
+    return info if isinstance(info, dict) else None
+
+
+def read_hub_file(path: Path) -> dict[str, Any] | None:
+    """A hub file's contents if it is this user's private file (see
+    :func:`read_private_file`) and names a live hub process, else None. Never raises."""
+    info = _read_private_map(path)
+    if info is None:
         return None
     pid, address, token = info.get("pid"), info.get("address"), info.get("token")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 \
@@ -366,14 +373,8 @@ def read_hub_key(hub_file: Path, pid: int) -> str | None:
     viewers and actions; None if there is none (an older hub kept it in the hub file
     itself), if it is not this user's private file, or if it is another hub's. Never
     raises."""
-    data = read_private_file(hub_key_path(hub_file))
-    if data is None:
-        return None
-    try:
-        info = json.loads(data)
-    except ValueError:
-        return None
-    if not isinstance(info, dict) or info.get("pid") != pid:
+    info = _read_private_map(hub_key_path(hub_file))
+    if info is None or info.get("pid") != pid:
         return None
     token = info.get("token")
     return token if isinstance(token, str) and token else None

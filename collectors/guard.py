@@ -41,7 +41,7 @@ with gradients identical to an unwatched one.
 from __future__ import annotations
 
 import logging
-from typing import Final
+from typing import Final, Protocol
 
 log = logging.getLogger("collectors")
 
@@ -78,6 +78,23 @@ CALLBACK_POINTS: dict[str, tuple[str, str]] = {}
 def register(points: dict[str, tuple[str, str]]) -> None:
     """Add a framework integration's guarded points (point -> (where, feature))."""
     CALLBACK_POINTS.update(points)
+
+
+class _Faulting(Protocol):
+    def fault(self, point: str, error: BaseException | str) -> None: ...
+
+
+def integration_failed(probe: _Faulting | None, point: str, error: BaseException,
+                       feature: str, scope: str = "run") -> None:
+    """An integration's guarded ``point`` failed (a framework callback's, ``rtop run``'s
+    automatic instrumentation's): its probe turns the feature off
+    (:meth:`collectors.probe.Probe.fault`: warned once, noted for the hub); before there
+    is a probe, one warning that ``feature`` is off for this ``scope``."""
+    if probe is not None:
+        probe.fault(point, error)
+    else:
+        log.warning("rtop: %s is off for this %s after an error in %s: %s: %s",
+                    feature, scope, point, type(error).__name__, error)
 
 
 class Faults:

@@ -119,16 +119,16 @@ class CommTiming:
         self.failed = True
         self.buckets = None
         self.ddp_logger = None
-        callback = self.on_failure
-        if callback is not None:
-            with contextlib.suppress(Exception):  # the report must not break the job
-                callback(point, error)
+        self._report(point, error)
 
     def fail_direct(self, point: str, error: BaseException) -> None:
         """Timing the direct collectives failed at ``point`` (``collectors.guard``): stop,
         and report the steps' collective figures as not measured from now on."""
         self.direct_failed = True
         self.calls = None
+        self._report(point, error)
+
+    def _report(self, point: str, error: BaseException) -> None:
         callback = self.on_failure
         if callback is not None:
             with contextlib.suppress(Exception):  # the report must not break the job

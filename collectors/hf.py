@@ -47,17 +47,13 @@ This module imports ``transformers`` when imported; ``import collectors`` never 
 
 from __future__ import annotations
 
-import logging
 import sys
-from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
-import collectors
 from collectors import guard
+from collectors.callbacks import CallbackHooks, Resume, callback_class
 from collectors.probe import Probe
-
-log = logging.getLogger("collectors")
 
 __all__ = ["POINTS", "RtopCallback"]
 
@@ -82,48 +78,18 @@ guard.register(POINTS)
 MAX_FRAMES: Final = 16
 
 
-class _Resume:
-    """Iterating it continues ``it`` where it is (the epoch's iterator, fetched from by
-    several calls of ``get_batch_samples``)."""
+class _HFHooks(CallbackHooks):
+    """The hooks of :class:`RtopCallback`, apart from transformers' ``TrainerCallback``
+    (the probe, the step and the guard are :class:`collectors.callbacks.CallbackHooks`'s)."""
 
-    __slots__ = ("_it",)
-
-    def __init__(self, it: Any) -> None:
-        self._it = it
-
-    def __iter__(self) -> _Resume:
-        return self
-
-    def __next__(self) -> Any:
-        return next(self._it)
-
-
-class _HFHooks:
-    """The hooks of :class:`RtopCallback`, apart from transformers' ``TrainerCallback``."""
-
-    def __init__(self, **settings: Any) -> None:
-        """``settings``: ``hub``, ``token`` and :class:`collectors.ProbeConfig` fields,
-        passed to :func:`collectors.start`."""
-        self._settings = settings
-        self._reset()
+    feature = FEATURE
 
     def _reset(self) -> None:
-        self._probe: Probe | None = None
-        self._owned = False  # this callback started the probe (so it closes it)
-        self._off = False  # turned off after an error in its own code
-        self._step: Any = None  # the open step's context manager
+        super()._reset()
         self._trainer: Any = None  # the trainer whose get_batch_samples is wrapped
         self._wrapper: Any = None  # ... and the wrapper put there
         self._source: Any = None  # the epoch iterator last handed to get_batch_samples
         self._timed: Any = None  # ... and its timed iterator
-        self._noted: set[str] = set()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_settings": self._settings}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._settings = state.get("_settings", {})
-        self._reset()
 
     # ---- transformers' hooks ------------------------------------------------------
 
@@ -160,14 +126,10 @@ class _HFHooks:
     # ---- the work, each body guarded by _run ----------------------------------------
 
     def _begin(self, args: Any, kwargs: dict[str, Any]) -> None:
-        before = collectors.current()
-        probe = collectors.start(rank=int(args.process_index), world_size=int(args.world_size),
-                                 local_rank=int(args.local_process_index), **self._settings)
-        if not isinstance(probe, Probe):  # RTOP_DISABLE=1: nothing to do
-            self._off = True
+        probe = self._start_probe(int(args.process_index), int(args.world_size),
+                                  int(args.local_process_index))
+        if probe is None:  # RTOP_DISABLE=1: nothing to do
             return
-        self._owned = probe is not before
-        self._probe = probe
         trainer = self._find_trainer()
         model = getattr(trainer, "model_wrapped", None) if trainer is not None else None
         if model is None:
@@ -223,17 +185,11 @@ class _HFHooks:
 
     def _time(self, probe: Probe, it: Any) -> Any:
         if it is not self._source:
-            self._source, self._timed = it, iter(probe.iter(_Resume(it)))
+            self._source, self._timed = it, iter(probe.iter(Resume(it)))
         return self._timed
 
     def _step_begin(self) -> None:
-        probe = self._probe
-        if probe is None:
-            return
-        self._end_step()  # a step that never reached on_step_end (training stopped)
-        step = probe.step()
-        step.__enter__()
-        self._step = step
+        self._begin_step()  # a step still open never reached on_step_end (training stopped)
 
     def _step_end(self) -> None:
         self._end_step()
@@ -244,47 +200,11 @@ class _HFHooks:
         if self._owned:
             probe.close()
 
-    # ---- guarding ------------------------------------------------------------------
-
-    def _run(self, point: str, body: Callable[..., None], *args: Any) -> None:
-        """Run rtop's ``body`` for a hook; an error never reaches the Trainer."""
-        if self._off:
-            return
-        try:
-            body(*args)
-        except Exception as exc:  # guarded point: never raise into the job
-            self._failed(point, exc)
-
-    def _failed(self, point: str, error: BaseException) -> None:
-        """``point`` failed: the callback is off for the rest of the run (warned once,
-        noted for the hub through the probe's faults)."""
-        try:
-            self._off = True
-            probe = self._probe
-            if probe is not None:
-                probe.fault(point, error)
-            else:
-                log.warning("rtop: %s is off for this run after an error in %s: %s: %s",
-                            FEATURE, point, type(error).__name__, error)
-            self._end_step()
-        except Exception:
-            pass
-
-    def _end_step(self) -> None:
-        step, self._step = self._step, None
-        if step is not None:
-            step.__exit__(None, None, None)
-
     def _unwrap(self) -> None:
         trainer, wrapper = self._trainer, self._wrapper
         self._trainer = self._wrapper = self._source = self._timed = None
         if trainer is not None and vars(trainer).get("get_batch_samples") is wrapper:
             del trainer.get_batch_samples  # the class's method again
-
-    def _note(self, key: str, text: str) -> None:
-        if key not in self._noted and self._probe is not None:
-            self._noted.add(key)
-            self._probe.notes.append(text)
 
 
 def _callback_base() -> type:
@@ -297,18 +217,13 @@ def _callback_base() -> type:
     return base
 
 
-def _build() -> type[_HFHooks]:
-    cls = type("RtopCallback", (_HFHooks, _callback_base()), {
-        "__module__": __name__, "__qualname__": "RtopCallback",
-        "__doc__": "rtop's Hugging Face callback: ``Trainer(..., callbacks=[RtopCallback()])`` "
-                   "(see ``collectors.hf``)."})
-    return cls
-
-
 if TYPE_CHECKING:
     from transformers import TrainerCallback as _TrainerCallback
 
     class RtopCallback(_HFHooks, _TrainerCallback):  # type: ignore[misc, unused-ignore]
         """rtop's Hugging Face callback (a ``transformers.TrainerCallback``)."""
 else:
-    RtopCallback = _build()
+    RtopCallback = callback_class(
+        _HFHooks, (_callback_base(),), __name__,
+        "rtop's Hugging Face callback: ``Trainer(..., callbacks=[RtopCallback()])`` (see "
+        "``collectors.hf``).")

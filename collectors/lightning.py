@@ -47,16 +47,12 @@ installed); ``import collectors`` never imports it.
 
 from __future__ import annotations
 
-import logging
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
-import collectors
 from collectors import guard
-from collectors.probe import Probe, TimedIterable
-
-log = logging.getLogger("collectors")
+from collectors.callbacks import CallbackHooks, Resume, callback_class
+from collectors.probe import Probe, TimedIterable, untimed
 
 __all__ = ["POINTS", "RtopCallback"]
 
@@ -81,50 +77,20 @@ guard.register(POINTS)
 #: The packages that provide Lightning's ``Callback``, preferred first.
 PACKAGES: Final = ("lightning.pytorch", "pytorch_lightning")
 
-class _Resume:
-    """Iterating it continues ``it`` where it is (``iter()`` on a ``CombinedLoader``
-    would restart it)."""
-
-    __slots__ = ("_it",)
-
-    def __init__(self, it: Any) -> None:
-        self._it = it
-
-    def __iter__(self) -> _Resume:
-        return self
-
-    def __next__(self) -> Any:
-        return next(self._it)
-
-
 def _stage_is_fit(stage: Any) -> bool:
     return str(getattr(stage, "value", stage)) == "fit"
 
 
-class _LightningHooks:
-    """The hooks of :class:`RtopCallback`, apart from Lightning's ``Callback`` base."""
+class _LightningHooks(CallbackHooks):
+    """The hooks of :class:`RtopCallback`, apart from Lightning's ``Callback`` base (the
+    probe, the step and the guard are :class:`collectors.callbacks.CallbackHooks`'s;
+    ddp_spawn pickles the trainer and its callbacks, and nothing of a run travels)."""
 
-    def __init__(self, **settings: Any) -> None:
-        """``settings``: ``hub``, ``token`` and :class:`collectors.ProbeConfig` fields,
-        passed to :func:`collectors.start`."""
-        self._settings = settings
-        self._reset()
+    feature = FEATURE
 
     def _reset(self) -> None:
-        self._probe: Probe | None = None
-        self._owned = False  # this callback started the probe (so it closes it)
-        self._off = False  # turned off after an error in its own code
-        self._step: Any = None  # the open step's context manager
+        super()._reset()
         self._fetcher: Any = None  # the fit loop's data fetcher, once its loader is timed
-        self._noted: set[str] = set()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # ddp_spawn pickles the trainer and its callbacks: nothing of a run travels
-        return {"_settings": self._settings}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._settings = state.get("_settings", {})
-        self._reset()
 
     # ---- Lightning's hooks --------------------------------------------------------
 
@@ -168,17 +134,10 @@ class _LightningHooks:
     # ---- the work, each body guarded by _run ----------------------------------------
 
     def _start(self, trainer: Any) -> None:
-        if self._probe is not None and not getattr(self._probe, "_closed", False):
+        if self._probe is not None and not self._probe.closed:
             return
-        before = collectors.current()
-        probe = collectors.start(rank=int(trainer.global_rank),
-                                 world_size=int(trainer.world_size),
-                                 local_rank=int(trainer.local_rank), **self._settings)
-        if not isinstance(probe, Probe):  # RTOP_DISABLE=1: nothing to do
-            self._off = True
-            return
-        self._owned = probe is not before
-        self._probe = probe
+        self._start_probe(int(trainer.global_rank), int(trainer.world_size),
+                          int(trainer.local_rank))
 
     def _watch(self, trainer: Any) -> None:
         if self._probe is None:
@@ -212,57 +171,16 @@ class _LightningHooks:
         fetcher._combined_loader = probe.iter(loader)  # each later epoch's iter() is timed
         if fetcher.iterator is not None:
             # this epoch's iterator was made from the loader before any hook ran
-            fetcher.iterator = iter(probe.iter(_Resume(fetcher.iterator)))
+            fetcher.iterator = iter(probe.iter(Resume(fetcher.iterator)))
         self._fetcher = fetcher
 
     def _batch_start(self) -> None:
-        probe = self._probe
-        if probe is None:
-            return
-        self._end_step(None)  # a batch the module skipped never reached on_train_batch_end
-        step = probe.step()
-        step.__enter__()
-        self._step = step
+        self._begin_step()  # a batch the module skipped never reached on_train_batch_end
 
     def _batch_end(self) -> None:
-        self._end_step(None)
+        self._end_step()
 
-    # ---- guarding ------------------------------------------------------------------
-
-    def _run(self, point: str, body: Callable[..., None], *args: Any) -> None:
-        """Run rtop's ``body`` for a hook; an error never reaches Lightning."""
-        if self._off:
-            return
-        try:
-            body(*args)
-        except Exception as exc:  # guarded point: never raise into the job
-            self._failed(point, exc)
-
-    def _failed(self, point: str, error: BaseException) -> None:
-        """``point`` failed: the callback is off for the rest of the run (warned once,
-        noted for the hub through the probe's faults)."""
-        try:
-            self._off = True
-            probe = self._probe
-            if probe is not None:
-                probe.fault(point, error)
-            else:
-                log.warning("rtop: %s is off for this run after an error in %s: %s: %s",
-                            FEATURE, point, type(error).__name__, error)
-            self._end_step(None)
-        except Exception:
-            pass
-
-    def _end_step(self, error: BaseException | None) -> None:
-        step, self._step = self._step, None
-        if step is not None:
-            step.__exit__(type(error) if error is not None else None, error,
-                          error.__traceback__ if error is not None else None)
-
-    def _note(self, key: str, text: str) -> None:
-        if key not in self._noted and self._probe is not None:
-            self._noted.add(key)
-            self._probe.notes.append(text)
+    # ---- closing ---------------------------------------------------------------------
 
     def _close(self, error: BaseException | None) -> None:
         """Close the probe (guarded point ``lightning.close``); runs even when the
@@ -286,7 +204,7 @@ class _LightningHooks:
         fetcher, self._fetcher = self._fetcher, None
         loader = getattr(fetcher, "_combined_loader", None)
         if isinstance(loader, TimedIterable):  # the loader as the fit loop made it
-            fetcher._combined_loader = loader._iterable
+            fetcher._combined_loader = untimed(loader)
         if self._owned:
             if error is not None and not isinstance(error, KeyboardInterrupt):
                 probe.exit_error = f"{type(error).__name__}: {error}"[:500]
@@ -312,18 +230,13 @@ def _callback_bases() -> tuple[type, ...]:
         "pytorch_lightning can be imported (pip install lightning)")
 
 
-def _build() -> type[_LightningHooks]:
-    cls = type("RtopCallback", (_LightningHooks, *_callback_bases()), {
-        "__module__": __name__, "__qualname__": "RtopCallback",
-        "__doc__": "rtop's Lightning callback: ``Trainer(callbacks=[RtopCallback()])`` "
-                   "(see ``collectors.lightning``)."})
-    return cls
-
-
 if TYPE_CHECKING:
     from lightning.pytorch import Callback as _Callback
 
     class RtopCallback(_LightningHooks, _Callback):  # type: ignore[misc, unused-ignore]
         """rtop's Lightning callback (a Lightning ``Callback``)."""
 else:
-    RtopCallback = _build()
+    RtopCallback = callback_class(
+        _LightningHooks, _callback_bases(), __name__,
+        "rtop's Lightning callback: ``Trainer(callbacks=[RtopCallback()])`` (see "
+        "``collectors.lightning``).")

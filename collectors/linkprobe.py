@@ -113,7 +113,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -121,6 +120,8 @@ from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from itertools import count
 from typing import Any, Final, NamedTuple
+
+from collectors.control import AnswerOnce
 
 log = logging.getLogger("collectors")
 
@@ -437,12 +438,10 @@ class LinkProbe:
         self.timeout_s = float(timeout_s)
         self.group = group
         self.device = device
-        self._on_done = on_done
+        self._answer = AnswerOnce(on_done, "the link probe's answer")
         self._id = next(_PROBES) if probe_id is None else int(probe_id)
         self._tag = TAG_BASE + 4 * (self._id % TAG_IDS)
         self._rt: _Runtime | None = runtime
-        self._lock = threading.Lock()
-        self._answered = False
         self._stop: str | None = None
         self._pending: list[Any] = []  # (work, tensors) not yet known complete
         self._ctx: _Ctx | None = None
@@ -454,7 +453,7 @@ class LinkProbe:
 
     def at_boundary(self, step: int) -> bool:
         """Run every round (synchronously) and answer; True: finished. Never raises."""
-        if self._answered:
+        if self._answer.given:
             return True
         answer: dict[str, Any] | None = None
         try:
@@ -480,17 +479,6 @@ class LinkProbe:
         the probe stops at its next agreement, and its peer learns there at once."""
         self._stop = why
         self._answer({"rank": self.rank, "error": why})
-
-    def _answer(self, answer: dict[str, Any]) -> None:
-        with self._lock:
-            if self._answered:
-                return
-            self._answered = True
-        try:
-            self._on_done(answer)
-        except Exception:
-            log.warning("rtop: the link probe's answer could not be handed over",
-                        exc_info=True)
 
     # ---- the rounds ----------------------------------------------------------------
 

@@ -145,6 +145,11 @@ class TimedIterable(Generic[T]):
             yield item
 
 
+def untimed(loader: TimedIterable[T]) -> Iterable[T]:
+    """The loader a :class:`TimedIterable` wraps (what ``probe.iter`` was given)."""
+    return loader._iterable
+
+
 class _StepTimer:
     """The context manager ``probe.step()`` returns; re-entering it nests harmlessly."""
 

@@ -126,11 +126,14 @@ from typing import Any, Final
 
 import psutil
 
+from collectors.control import AnswerOnce
+from collectors.timeline import intersection, merged
+
 log = logging.getLogger("collectors")
 
 __all__ = ["MAX_CAPTURE_GROWTH_BYTES", "MAX_CAPTURE_GROWTH_BYTES_CUDA",
            "MAX_CUDA_PROFILE_STEPS", "MAX_SUMMARY_EVENTS", "SUMMARY_TIMEOUT_S",
-           "ProfileCapture", "is_comm", "make_private_dirs", "merge", "profiler_active",
+           "ProfileCapture", "is_comm", "make_private_dirs", "profiler_active",
            "release_memory", "split_time", "subtract", "summarise"]
 
 #: An interval of time, ``(start_s, end_s)``.
@@ -175,20 +178,8 @@ def is_comm(name: str) -> bool:
     return low.startswith(COMM_PREFIXES) or any(w in low for w in COMM_WORDS)
 
 
-def merge(intervals: Iterable[Interval]) -> list[Interval]:
-    """The union of intervals as sorted, disjoint intervals (empty ones dropped)."""
-    out: list[Interval] = []
-    for a, b in sorted(iv for iv in intervals if iv[1] > iv[0]):
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def _total(merged: Sequence[Interval]) -> float:
-    return sum((b - a for a, b in merged), 0.0)
+def _total(intervals: Sequence[Interval]) -> float:
+    return sum((b - a for a, b in intervals), 0.0)
 
 
 def subtract(x: Sequence[Interval], y: Sequence[Interval]) -> list[Interval]:
@@ -209,21 +200,6 @@ def subtract(x: Sequence[Interval], y: Sequence[Interval]) -> list[Interval]:
     return out
 
 
-def _overlap(x: Sequence[Interval], y: Sequence[Interval]) -> float:
-    """Time covered by both of two merged interval lists."""
-    i = j = 0
-    shared = 0.0
-    while i < len(x) and j < len(y):
-        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        if hi > lo:
-            shared += hi - lo
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return shared
-
-
 def split_time(compute: Iterable[Interval], comm: Iterable[Interval],
                window: Interval) -> dict[str, float]:
     """Split ``window`` into compute, communication and idle time (module doc):
@@ -235,9 +211,9 @@ def split_time(compute: Iterable[Interval], comm: Iterable[Interval],
     """
     lo, hi = window
     wall = max(0.0, hi - lo)
-    cu = merge((max(a, lo), min(b, hi)) for a, b in compute)
-    co = merge((max(a, lo), min(b, hi)) for a, b in comm)
-    compute_s, comm_s, overlap_s = _total(cu), _total(co), _overlap(cu, co)
+    cu = merged((max(a, lo), min(b, hi)) for a, b in compute)
+    co = merged((max(a, lo), min(b, hi)) for a, b in comm)
+    compute_s, comm_s, overlap_s = _total(cu), _total(co), _total(intersection(cu, co))
     idle_s = max(0.0, wall - (compute_s + comm_s - overlap_s))
     return {"wall_s": wall, "compute_s": compute_s, "comm_s": comm_s,
             "overlap_s": overlap_s, "idle_s": idle_s}
@@ -307,7 +283,7 @@ def summarise(events: Iterable[Any], *, gpu: bool, top: int = 10,
         every = gpu_steps or compute + comm
     else:  # a collective called inside an operator (DDP's backward hooks) is not compute
         compute = [iv for t, ops in cpu_ops.items()
-                   for iv in subtract(merge(ops), merge(cpu_comm.get(t, [])))]
+                   for iv in subtract(merged(ops), merged(cpu_comm.get(t, [])))]
         comm = [iv for ivs in cpu_comm.values() for iv in ivs]
         every = steps or compute + comm
     window = (min(a for a, _ in every), max(b for _, b in every)) if every else (0.0, 0.0)
@@ -433,10 +409,9 @@ class ProfileCapture:
         self.top = top
         self.device = device
         self._cuda = cuda
-        self._on_done = on_done
+        self._answer = AnswerOnce(on_done, "a profile's answer")
         self._lock = threading.Lock()
         self._state = _WAITING
-        self._answered = False
         self._abort_why: str | None = None
         self._prof: Any = None
         self._thread: int | None = None
@@ -570,7 +545,7 @@ class ProfileCapture:
         events: Any = None
         try:
             self._stop(prof)  # stops, then writes the trace (on_trace_ready)
-            if self._answered:
+            if self._answer.given:
                 return  # aborted meanwhile from another thread: that was the answer
             size = None
             if self._trace is not None:
@@ -658,13 +633,3 @@ class ProfileCapture:
                 self._discard()
         finally:
             self._answer({"rank": self.rank, "error": why})
-
-    def _answer(self, answer: dict[str, Any]) -> None:
-        with self._lock:
-            if self._answered:
-                return
-            self._answered = True
-        try:
-            self._on_done(answer)
-        except Exception:
-            log.warning("rtop: handing over a profile's answer failed", exc_info=True)

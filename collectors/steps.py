@@ -32,9 +32,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from collectors.collectives import Call, StepCollectives, direct_calls, intersection
+from collectors.collectives import Call, StepCollectives, direct_calls
 from collectors.cuda_events import CAPTURES, EventPool, seconds_between
-from collectors.timeline import comm_figures, span_comm_figures
+from collectors.timeline import comm_figures, intersection, span_comm_figures
 
 #: A step's collectives other than DDP's (``collectors.collectives``): ``(calls,
 #: blocked, complete)``: the calls ``[op, launch, done, nbytes, group_size, count]``,

@@ -27,6 +27,37 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals covering the same time."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def intersection(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]
+                 ) -> list[tuple[float, float]]:
+    """The time covered by both ``a`` and ``b`` (each a set of intervals)."""
+    ma, mb = merged(a), merged(b)
+    out: list[tuple[float, float]] = []
+    i = j = 0
+    while i < len(ma) and j < len(mb):
+        s, e = max(ma[i][0], mb[j][0]), min(ma[i][1], mb[j][1])
+        if e > s:
+            out.append((s, e))
+        if ma[i][1] < mb[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def clipped_union(intervals: Iterable[tuple[float, float]], lo: float) -> float:
     """Union length of the intervals' parts that lie at or after ``lo``."""
     return union_length((max(s, lo), e) for s, e in intervals if e > lo)

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -292,24 +293,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.command == "serve":
-        return cmd_serve(args)
-    if args.command == "report":
-        return cmd_report(args)
-    if args.command == "status":
-        return cmd_status(args)
-    if args.command == "list":
-        return cmd_list()
-    if args.command == "spool":
-        return cmd_spool(args)
-    if args.command == "token":
-        return cmd_token(args)
-    if args.command in ("profile", "probe", "stacks"):
-        return cmd_action(args)
-    if args.command == "attach":
-        return cmd_attach(args)
-    if args.command == "replay":
-        return cmd_replay(args)
+    command = _COMMANDS.get(args.command)
+    if command is not None:
+        return command(args)
     if args.command == "run":
         from rtop.launch import main as run_main
 
@@ -649,6 +635,15 @@ def format_snapshot(snap: Snapshot) -> str:
             f"{fixed(cols['step'][i] if cols['step'][i] >= 0 else None, digits=0):>6}",
             *(f"{fixed(named[name][i], t.scale, t.digits):>{t.width}}" for name, t in shown)]))
     return "\n".join(lines)
+
+
+#: The subcommands that are one function of their arguments (:func:`_run`).
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve": cmd_serve, "report": cmd_report, "status": cmd_status,
+    "list": lambda _: cmd_list(), "spool": cmd_spool, "token": cmd_token,
+    "profile": cmd_action, "probe": cmd_action, "stacks": cmd_action,
+    "attach": cmd_attach, "replay": cmd_replay,
+}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 #: What a figure that was not measured prints as.
@@ -67,15 +67,46 @@ def fmt_ms(x: object) -> str:
     return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.2f}"
 
 
+def fmt_scaled(v: float, units: Sequence[tuple[str, float]], figure: Callable[[float], str],
+               base: str) -> str:
+    """``v`` in the largest of ``units`` (``(suffix, size)``, largest first) its magnitude
+    reaches, its figure written by ``figure``; below them all, whole, with ``base``."""
+    for suffix, size in units:
+        if abs(v) >= size:
+            return figure(v / size) + suffix
+    return f"{v:.0f}{base}"
+
+
+def short_figure(v: float) -> str:
+    """A figure as few characters as read well: ``12``, ``1.5``, ``2``."""
+    return f"{v:.0f}" if v >= 10 else f"{v:.1f}".removesuffix(".0")
+
+
+#: Decimal byte units (``fmt_bytes``) and binary ones (``fmt_size``), largest first.
+DECIMAL_BYTES: Final = ((" TB", 1e12), (" GB", 1e9), (" MB", 1e6), (" kB", 1e3))
+BINARY_BYTES: Final = ((" GiB", float(1 << 30)), (" MiB", float(1 << 20)),
+                       (" KiB", float(1 << 10)))
+#: Units of an age, largest first (``fmt_age``).
+AGE_UNITS: Final = (("d", 86400.0), ("h", 3600.0), ("m", 60.0))
+
+
 def fmt_bytes(x: object) -> str:
     """Bytes with a decimal unit people read at a glance (GB, MB)."""
     v = num(x)
     if v is None:
         return NA
-    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(v) >= div:
-            return f"{v / div:.3g} {unit}"
-    return f"{v:.0f} B"
+    return fmt_scaled(v, DECIMAL_BYTES, lambda f: f"{f:.3g}", " B")
+
+
+def fmt_size(n: float) -> str:
+    """Bytes in binary units (limits set in them, like the spools' bounds): ``64 MiB``,
+    ``1 GiB``."""
+    return fmt_scaled(n, BINARY_BYTES, short_figure, " B")
+
+
+def fmt_age(seconds: float) -> str:
+    """A duration the way ``rtop spool`` takes one: ``45s``, ``12m``, ``6h``, ``7d``."""
+    return fmt_scaled(max(0.0, seconds), AGE_UNITS, short_figure, "s")
 
 
 def fmt_rate(x: object) -> str:

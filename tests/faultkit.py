@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +23,11 @@ from collectors import wire
 from collectors.schema import STEP_FIELDS, TABLES
 from rtop.run.recording import read
 from rtop.workload import WorkloadSpec, run_local
+from tests.waiting import wait_for
 
 RTOP = [sys.executable, "-m", "rtop"]
 ROOT = Path(__file__).resolve().parent.parent
 _STEP = STEP_FIELDS.index("step")
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 30.0, every: float = 0.1) -> bool:
-    """Poll ``cond`` until it is true or ``timeout`` passes; whether it became true."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(every)
-    return bool(cond())
 
 
 def start_serve(port: int, token: str, record: Path | str | None, *extra: str,

@@ -25,12 +25,12 @@ from collectors.collectives import (
     METHODS,
     StepCollectives,
     bus_factor,
-    intersection,
     tensor_bytes,
 )
 from collectors.cuda_events import EventPool
 from collectors.schema import COLLECTIVE_OPS, STEP_FIELDS
 from collectors.steps import NOT_MEASURED, ClockMap, PendingCudaStep, StepRecords, step_row
+from collectors.timeline import intersection
 from rtop.report import build_report
 from rtop.run.recording import read, replay
 from rtop.run.state import RunState

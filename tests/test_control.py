@@ -31,18 +31,10 @@ from rtop.client import HubClient, HubError
 from rtop.hub.service import ThreadedHub
 from rtop.workload import Faults, WorkloadSpec, run_local
 from tests.rankclient import RankClient
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 MASTER = "control-test-master-token-0123456789"
-
-
-def wait_for(cond: Any, timeout: float = 30.0, every: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(every)
-    return False
 
 
 class Job:

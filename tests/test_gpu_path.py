@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,11 @@ from collectors import cuda_events, wire
 from collectors.cuda_events import torch_cuda_pool
 from collectors.identity import detect
 from collectors.memory import MemorySampler
+from tests import waiting
 from tests.fakecuda import FakeCuda
+
+#: This module's pace: polled every 20 ms, given 20 s by default.
+wait_for = partial(waiting.wait_for, timeout=20.0, every=0.02)
 
 
 @pytest.fixture
@@ -54,13 +59,6 @@ def _probe(listener, **settings) -> collectors.Probe:
     cfg = collectors.ProbeConfig(hub=listener.address, token=listener.token,
                                  flush_interval_s=0.05, sample_interval_s=0.1, **settings)
     return collectors.Probe(detect(), cfg)
-
-
-def _wait_for(what: str, cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _byes(listener) -> list[dict]:
@@ -104,7 +102,7 @@ def test_events_go_on_the_models_device_without_set_device(listener, fake_cuda,
         for _ in range(12):  # the same steps, unwatched: the gradients must match
             ref.zero_grad(set_to_none=True)
             ref(x).square().mean().backward()
-        _wait_for("12 steps", lambda: len(listener.records("steps").get(0, [])) == 12)
+        wait_for(lambda: len(listener.records("steps").get(0, [])) == 12, what="12 steps")
     finally:
         probe.close(2.0)
     assert fake_cuda.context_devices() == {1}, fake_cuda.contexts  # nothing on GPU 0
@@ -155,10 +153,10 @@ def test_a_failure_to_record_turns_cuda_timing_off_once(listener, fake_cuda, cap
         for _ in range(6):
             with probe.step():
                 fake_cuda.run(1, 2.0)
-        _wait_for("6 steps", lambda: len(listener.records("steps").get(0, [])) == 6)
-        _wait_for("the note at the hub", lambda: any(
+        wait_for(lambda: len(listener.records("steps").get(0, [])) == 6, what="6 steps")
+        wait_for(lambda: any(
             "CUDA timing" in n for b in listener.batches()
-            for n in (b.get("meta") or {}).get("notes", [])))
+            for n in (b.get("meta") or {}).get("notes", [])), what="the note at the hub")
     finally:
         probe.close(2.0)
     assert probe.cuda is None and pool.failure is not None
@@ -182,7 +180,7 @@ def test_a_sticky_cuda_error_keeps_the_sender_going_and_the_goodbye_carries_the_
     for _ in range(3):
         with probe.step():
             fake_cuda.run(0, 2.0)
-    _wait_for("3 measured steps", lambda: len(listener.records("steps").get(0, [])) == 3)
+    wait_for(lambda: len(listener.records("steps").get(0, [])) == 3, what="3 measured steps")
     fake_cuda.paused = True  # the GPU falls behind: the next steps wait for it
     for _ in range(3):
         with probe.step():
@@ -191,14 +189,14 @@ def test_a_sticky_cuda_error_keeps_the_sender_going_and_the_goodbye_carries_the_
     assert len(listener.records("steps")[0]) == 3
     fake_cuda.sticky = RuntimeError("CUDA error: device-side assert triggered")
     try:
-        _wait_for("the 3 waiting steps, sent", lambda: len(listener.records("steps")[0]) == 6)
+        wait_for(lambda: len(listener.records("steps")[0]) == 6, what="the 3 waiting steps, sent")
         hb_before = len(listener.records("hb")[0])
         for _ in range(3):  # the job goes on (here: its host code), rtop with it
             with probe.step():
                 pass
-        _wait_for("steps after the error", lambda: len(listener.records("steps")[0]) == 9)
-        _wait_for("heartbeats after the error",
-                  lambda: len(listener.records("hb")[0]) >= hb_before + 3)
+        wait_for(lambda: len(listener.records("steps")[0]) == 9, what="steps after the error")
+        wait_for(lambda: len(listener.records("hb")[0]) >= hb_before + 3,
+                 what="heartbeats after the error")
         assert probe.sender.is_alive()
         # the goodbye carries the job's exit error, through a final drain that fails too
         with probe.step():
@@ -210,7 +208,7 @@ def test_a_sticky_cuda_error_keeps_the_sender_going_and_the_goodbye_carries_the_
     assert [r["step"] for r in rows] == list(range(10))
     assert all(r["gpu_s"] is not None for r in rows[:3])
     assert all(r["gpu_s"] is None for r in rows[3:])
-    _wait_for("the goodbye", lambda: len(_byes(listener)) == 1)  # the listener's thread
+    wait_for(lambda: len(_byes(listener)) == 1, what="the goodbye")  # the listener's thread
     [bye] = _byes(listener)
     assert bye["error"] == "RuntimeError: CUDA error: device-side assert triggered"
     assert bye["reason"] == "exit"
@@ -234,7 +232,7 @@ def test_watch_inside_the_first_step(listener, fake_cuda, gloo_world1):
             fake_cuda.run(1, 5.0)
             model(x).square().mean().backward()
         _train(probe, model, fake_cuda, x, steps=5)
-        _wait_for("6 steps", lambda: len(listener.records("steps").get(0, [])) == 6)
+        wait_for(lambda: len(listener.records("steps").get(0, [])) == 6, what="6 steps")
     finally:
         probe.close(2.0)
     rows = listener.records("steps")[0]
@@ -262,8 +260,9 @@ def test_a_hung_collective_on_the_gpu_is_reported_as_comm(listener, fake_cuda):
             probe.comm.buckets.append([launch, pool.record(), 1 << 20])
             fake_cuda.run(0, 1.0)
         fake_cuda.done[0] = launch.t  # the GPU has reached the collective, and stays
-        _wait_for("a comm heartbeat", lambda: any(
-            h["phase"] == "comm" for h in listener.records("hb").get(0, [])), timeout=10)
+        wait_for(lambda: any(
+            h["phase"] == "comm" for h in listener.records("hb").get(0, [])), timeout=10,
+            what="a comm heartbeat")
         hb = [h for h in listener.records("hb")[0] if h["phase"] == "comm"][-1]
         assert hb["phase_s"] >= 1.0
         assert probe.activity.phase == "idle"  # what the host alone would have said
@@ -374,7 +373,7 @@ def test_a_cuda_graph_capture_is_never_disturbed_and_replays_are_timed(listener,
         for _ in range(4):
             with probe.step():
                 graph.replay()
-        _wait_for("8 steps", lambda: len(listener.records("steps").get(0, [])) == 8)
+        wait_for(lambda: len(listener.records("steps").get(0, [])) == 8, what="8 steps")
     finally:
         fake_cuda.finish()
         probe.close(2.0)

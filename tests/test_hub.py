@@ -9,6 +9,7 @@ import socket
 import stat
 import time
 import urllib.request
+from functools import partial
 
 import pytest
 
@@ -18,7 +19,11 @@ from rtop.hub.server import HubConfig
 from rtop.hub.service import ThreadedHub
 from rtop.report import build_report
 from rtop.workload import WorkloadSpec, run_local
+from tests import waiting
 from tests.rankclient import RankClient, gpu_row, hb_row, step_row
+
+#: This module's pace: hubs in this process, polled often, given 10 s by default.
+wait_for = partial(waiting.wait_for, timeout=10.0, every=0.05)
 
 
 @pytest.fixture
@@ -29,15 +34,6 @@ def hub(tmp_path):
     h.start()
     yield h
     h.stop()
-
-
-def wait_for(cond, timeout=10.0, every=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(every)
-    return False
 
 
 def snapshot(hub):

@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,11 @@ from collectors import auth
 from rtop.analysis import AnalysisConfig
 from rtop.hub.service import ThreadedHub
 from rtop.report import build_report
-from tests import reliability
+from tests import reliability, waiting
 from tests.lost_workers import train
+
+#: This module's pace: polled every 50 ms.
+wait_for = partial(waiting.wait_for, every=0.05)
 
 pytest.importorskip("torch")
 
@@ -56,24 +60,13 @@ def lost_finding(hub: ThreadedHub) -> dict[str, Any] | None:
     return None
 
 
-def wait_for(what: Callable[[], Any], timeout: float, every: float = 0.05) -> Any:
-    """``what()``'s first truthy value within ``timeout`` seconds, else None."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(every)
-    return None
-
-
 def steps_done(out: Path, rank: int) -> list[int]:
     path = out / f"steps-rank{rank}"
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
 def wait_steps(out: Path, ranks: list[int], n: int, timeout: float) -> None:
-    ok = wait_for(lambda: all(len(steps_done(out, r)) >= n for r in ranks), timeout, 0.1)
+    ok = wait_for(lambda: all(len(steps_done(out, r)) >= n for r in ranks), timeout, every=0.1)
     assert ok, f"the ranks did not reach step {n}: " + str(
         {r: len(steps_done(out, r)) for r in ranks})
 
@@ -124,7 +117,7 @@ def named(hub: ThreadedHub, culprits: list[int], followers: list[int], timeout: 
 
 def first_named(hub: ThreadedHub, timeout: float) -> tuple[float, dict[str, Any]]:
     """The hub's lost_rank finding as it first appears, and when (time.time())."""
-    f = wait_for(lambda: lost_finding(hub), timeout, 0.02)
+    f = wait_for(lambda: lost_finding(hub), timeout, every=0.02)
     assert f is not None, "no lost_rank finding"
     return time.time(), f
 

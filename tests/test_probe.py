@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
 
@@ -12,6 +13,10 @@ import collectors
 from collectors.cuda_events import EventPool
 from collectors.identity import Identity, detect
 from collectors.probe import batch_size
+from tests import waiting
+
+#: This module's pace: polled every 20 ms, given 20 s by default.
+wait_for = partial(waiting.wait_for, timeout=20.0, every=0.02)
 
 
 def test_import_collectors_pulls_in_no_heavy_or_app_modules():
@@ -124,13 +129,6 @@ class FakeEvent:
         return end.t - self.t
 
 
-def _wait_for(what: str, cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_cuda_steps_resolve_later_without_synchronising(listener):
     gpu = FakeGpu()
     probe = collectors.Probe(detect(), collectors.ProbeConfig(
@@ -153,11 +151,11 @@ def test_cuda_steps_resolve_later_without_synchronising(listener):
     try:
         # the sender drains every flush interval (0.05 s) and connects at once: give it
         # many rounds; nothing may come before the GPU has finished the first step
-        _wait_for("the rank to connect", lambda: probe.stats()["connected"])
+        wait_for(lambda: probe.stats()["connected"], what="the rank to connect")
         time.sleep(0.5)
         assert not steps(), "steps were emitted before the GPU finished them"
         gpu.done = 15.0  # the first step is complete on the GPU
-        _wait_for("the first step", steps)
+        wait_for(steps, what="the first step")
         time.sleep(0.3)
         rows = steps()
         assert len(rows) == 1
@@ -168,7 +166,7 @@ def test_cuda_steps_resolve_later_without_synchronising(listener):
         assert row["compute_s"] == pytest.approx(0.011)
         assert row["busbw_Bps"] == pytest.approx(4e6 / 0.004 * 2 * 3 / 4)
         gpu.done = 1e9
-        _wait_for("all three steps", lambda: len(steps()) == 3)
+        wait_for(lambda: len(steps()) == 3, what="all three steps")
         # events go back to the pool and are reused: 4 per step, not 4 more each step
         with probe.step():
             gpu.issued += 1
@@ -190,7 +188,7 @@ def test_cuda_step_given_up_after_timeout(listener):
         time.sleep(0.5)
         assert time.monotonic() - t_step >= 1.0 or not listener.records("steps"), \
             "the step was given up before its timeout"
-        _wait_for("the step, given up", lambda: listener.records("steps").get(0))
+        wait_for(lambda: listener.records("steps").get(0), what="the step, given up")
         assert time.monotonic() - t_step >= 1.0
         [row] = listener.records("steps")[0]
         assert row["gpu_s"] is None  # missing, not zero

@@ -21,11 +21,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +38,15 @@ from rtop.client import HubClient
 from rtop.hub.metrics import LABEL_MAX, prometheus_text
 from rtop.hub.service import ThreadedHub
 from rtop.workload import Faults, WorkloadSpec, run_local
+from tests import waiting
 from tests.rankclient import RankClient, gpu_row, step_row
+
+#: This module's pace: scrapes polled every 200 ms.
+wait_for = partial(waiting.wait_for, every=0.2)
 
 ROOT = Path(__file__).resolve().parent.parent
 MASTER = "prometheus-test-master-token-0123456789"
 VIEW = auth.role_token(MASTER, "view")
-
-
-def wait_for(cond: Any, timeout: float = 30.0, every: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(every)
-    return False
 
 
 def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:

@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,10 @@ from rtop.hub.recorder import Recorder
 from rtop.hub.service import ThreadedHub
 from rtop.run.recording import is_secret_key, read
 from rtop.workload import free_port
+from tests import waiting
+
+#: This module's pace: files and processes polled every 50 ms, given 20 s by default.
+_wait_for = partial(waiting.wait_for, timeout=20.0, every=0.05)
 
 RTOP = [sys.executable, "-m", "rtop"]
 NOBODY = 65534
@@ -50,15 +55,6 @@ def _hub_info(address: str = "127.0.0.1:9", token: str = "attacker-token") -> st
 
 def _mode(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
-
-
-def _wait_for(cond, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture
@@ -456,7 +452,7 @@ def test_serve_and_status_with_a_token_file(tmp_path):
             except OSError:
                 return False
 
-        assert _wait_for(up, 30)
+        assert _wait_for(up, timeout=30)
         with HubClient(f"127.0.0.1:{port}", token) as client:
             assert client.snapshot()["run"] is not None
         status = subprocess.run([*RTOP, "status", f"127.0.0.1:{port}", "--token-file",

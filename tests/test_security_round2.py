@@ -32,21 +32,13 @@ from rtop.hub.service import ThreadedHub
 from rtop.report import build_report
 from rtop.workload import Faults, WorkloadSpec, free_port, run_local
 from tests.rankclient import RankClient, step_row
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 MASTER = "round-two-master-token-0123456789"
 INGEST = auth.role_token(MASTER, "ingest")
 CONTROL = auth.role_token(MASTER, "control")
 VIEW = auth.role_token(MASTER, "view")
-
-
-def wait_for(cond: Any, timeout: float = 30.0, every: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(every)
-    return False
 
 
 def peak_rss(pid: int) -> int:

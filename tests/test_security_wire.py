@@ -29,6 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,20 +44,15 @@ from rtop.client import HubClient, HubError
 from rtop.hub.server import Hub, HubConfig
 from rtop.hub.service import ThreadedHub
 from rtop.workload import WorkloadSpec, free_port, run_local
+from tests import waiting
 from tests.listener import Listener
 from tests.rankclient import RankClient, step_row
 
+#: This module's pace: sockets polled every 20 ms, given 10 s by default.
+wait_for = partial(waiting.wait_for, timeout=10.0, every=0.02)
+
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("ingest", "view", "control")
-
-
-def wait_for(cond: Any, timeout: float = 10.0, every: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(every)
-    return False
 
 
 def empty_maps_frame(body_bytes: int) -> bytes:

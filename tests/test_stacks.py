@@ -32,9 +32,9 @@ from rtop.actions.stacks import (
     assemble,
     format_text,
     group,
-    rank_ranges,
     short_path,
 )
+from rtop.fmt import fmt_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTILE = "evil\x1b[2J\x1b]0;pwned\x07\u202e\r\nname"
@@ -345,7 +345,7 @@ def test_gloo_job_groups_the_odd_rank_out_first(gloo_result):
         assert g.kind == MAIN
     text = format_text(result)
     head_stuck = f"rank {WORLD - 1} (pid {result['ranks'][-1]['pid']})"
-    head_wait = f"ranks {rank_ranges(range(WORLD - 1))} ({WORLD - 1} ranks)"
+    head_wait = f"ranks {fmt_ranks(range(WORLD - 1))} ({WORLD - 1} ranks)"
     assert head_stuck in text and head_wait in text
     assert text.index(head_stuck) < text.index(head_wait)
     # py-spy's layout: innermost first, "function (file:line)"
@@ -375,7 +375,7 @@ def test_grouping_puts_the_smallest_group_first():
     text = format_text(result)
     assert text.index("rank 4 (pid 104)") < text.index("ranks 0-3,5-7 (7 ranks)")
     assert "    step (/x/train.py:30)\n    main (/x/train.py:10)" in text
-    assert rank_ranges([5, 0, 1, 2, 3, 9, 10]) == "0-3,5,9-10" and rank_ranges([]) == ""
+    assert fmt_ranks([5, 0, 1, 2, 3, 9, 10]) == "0-3,5,9-10" and fmt_ranks([]) == ""
 
 
 def test_assemble_survives_malformed_answers():
@@ -424,7 +424,7 @@ async def test_stacks_screen_shows_groups_and_closes(gloo_result, size):
         labels, stack = _screen_text(screen)
         assert labels[0].startswith(f"rank {WORLD - 1}\n")
         assert "stuck_in_known_place" in labels[0]
-        assert labels[1].startswith(f"ranks {rank_ranges(range(WORLD - 1))} ({WORLD - 1})")
+        assert labels[1].startswith(f"ranks {fmt_ranks(range(WORLD - 1))} ({WORLD - 1})")
         assert not any("rtop-test-sampler" in label for label in labels)
         assert stack.index("stuck_in_known_place") < stack.index("gloo_rank")
         assert f":{expected_line('gloo')}" in stack

@@ -9,9 +9,13 @@ assembles and formats it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from rtop.fmt import fmt_ranks, safe_text
+
+#: Characters of a rank's error kept in a result.
+MAX_ERROR = 300
 
 
 def action_result(out: dict[str, Any]) -> dict[str, Any]:
@@ -36,6 +40,19 @@ def action_result(out: dict[str, Any]) -> dict[str, Any]:
     if out.get("cancelled"):
         result["cancelled"] = out["cancelled"]
     return result
+
+
+def answer_problems(result: Mapping[str, Any]) -> list[str]:
+    """Lines on the ranks of a result that did not answer in time (``missing``) and the
+    ranks whose action failed (``errors``)."""
+    out: list[str] = []
+    missing = result.get("missing") or []
+    if missing:
+        out.append(f"no answer in time from {'rank' if len(missing) == 1 else 'ranks'} "
+                   f"{fmt_ranks(missing)}")
+    for r, msg in (result.get("errors") or {}).items():
+        out.append(f"rank {safe_text(str(r), 16)}: {safe_text(str(msg), MAX_ERROR)}")
+    return out
 
 
 def action_text(action: str, result: dict[str, Any], *, all_threads: bool = False) -> str:

@@ -28,13 +28,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from rtop.actions import MAX_ERROR, answer_problems
 from rtop.fmt import NA, fmt_ms, fmt_ranks, num, safe_text
 
 #: Bounds on what one rank's answer may bring.
 MAX_OPS = 50
 MAX_NAME = 200
 MAX_PATH = 1024
-MAX_ERROR = 300
 MAX_NOTE = 300
 #: The time figures of a rank's summary, in seconds.
 FIGURES = ("compute_s", "comm_s", "overlap_s", "idle_s", "wall_s")
@@ -142,14 +142,7 @@ def _steps_text(steps: object) -> str:
 
 def problems(result: Mapping[str, Any]) -> list[str]:
     """Lines on the ranks that did not answer and the ranks that failed."""
-    out: list[str] = []
-    missing = result.get("missing") or []
-    if missing:
-        out.append(f"no answer in time from {'rank' if len(missing) == 1 else 'ranks'} "
-                   f"{fmt_ranks(missing)}")
-    for r, msg in (result.get("errors") or {}).items():
-        out.append(f"rank {safe_text(str(r), 16)}: {safe_text(str(msg), MAX_ERROR)}")
-    return out
+    return answer_problems(result)
 
 
 def open_hint(out_dir: str) -> str:

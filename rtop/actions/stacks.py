@@ -32,7 +32,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rtop.fmt import safe_text
+from rtop.actions import MAX_ERROR, answer_problems
+from rtop.fmt import fmt_ranks, safe_text
 
 #: Which threads :func:`group` looks at: each rank's main thread, every thread but
 #: rtop's own, or every thread.
@@ -45,25 +46,10 @@ MAX_THREADS = 256
 MAX_FRAMES = 512
 MAX_PATH = 400
 MAX_NAME = 200
-MAX_ERROR = 300
 #: A frame as a grouping key: (file, function, line).
 FrameKey = tuple[str, str, int | None]
 
 _LIB = re.compile(r".*/(?:site-packages|dist-packages|lib/python\d+\.\d+)/")
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """Ranks as a compact list of ranges: ``[0, 1, 2, 3, 5]`` → ``"0-3,5"``."""
-    rs = sorted(set(ranks))
-    parts: list[str] = []
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 def short_path(path: str) -> str:
@@ -152,7 +138,7 @@ class Group:
     @property
     def ranges(self) -> str:
         """The ranks as a compact range string (``0-3,5``)."""
-        return rank_ranges(self.ranks)
+        return fmt_ranks(self.ranks)
 
     @property
     def names(self) -> list[str]:
@@ -247,21 +233,15 @@ def frame_line(f: Mapping[str, Any]) -> str:
 def problems(result: Mapping[str, Any]) -> list[str]:
     """Lines on what is missing: ranks that did not answer, errors, ranks with no
     thread, threads left out or cut."""
-    out: list[str] = []
-    missing = result.get("missing") or []
-    if missing:
-        out.append(f"no answer in time from {'rank' if len(missing) == 1 else 'ranks'} "
-                   f"{rank_ranges(missing)}")
-    for r, msg in (result.get("errors") or {}).items():
-        out.append(f"rank {safe_text(str(r), 16)}: {safe_text(str(msg), MAX_ERROR)}")
+    out = answer_problems(result)
     empty = [e["rank"] for e in result.get("ranks") or [] if not e.get("threads")]
     if empty:
-        out.append(f"no Python thread from rank(s) {rank_ranges(empty)}")
+        out.append(f"no Python thread from rank(s) {fmt_ranks(empty)}")
     omitted = {e["rank"]: e.get("threads_omitted") or 0 for e in result.get("ranks") or []}
     if any(omitted.values()):
         n = sum(omitted.values())
         out.append(f"{n} thread(s) left out to keep the answers small, on rank(s) "
-                   f"{rank_ranges(r for r, k in omitted.items() if k)}")
+                   f"{fmt_ranks(r for r, k in omitted.items() if k)}")
     return out
 
 

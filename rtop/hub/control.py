@@ -173,7 +173,7 @@ class Actions:
                                      "at_step": action.at_step, "timeout_s":
                                      round(action.deadline - time.monotonic(), 1),
                                      **action.info})
-        log.info("rtop hub: %s on ranks %s%s", action.action, _ranges(sorted(action.targets)),
+        log.info("rtop hub: %s on ranks %s%s", action.action, fmt_ranks(sorted(action.targets)),
                  f" from step {action.at_step}" if action.at_step is not None else "")
 
     def _start(self, peer: _Peer, client_id: Any, p: dict[str, Any]) -> Action:
@@ -201,7 +201,7 @@ class Actions:
             absent = sorted(set(wanted) - set(conns))
             if absent:
                 raise ActionError(f"rank{'s' if len(absent) > 1 else ''} "
-                                  f"{_ranges(absent)} not connected to this hub")
+                                  f"{fmt_ranks(absent)} not connected to this hub")
             targets = {r: conns[r] for r in sorted(set(wanted))}
         if name != "stacks" and any(a.action != "stacks" for a in self.running.values()):
             raise ActionError("another profile or probe is running; try again when it ends")
@@ -256,7 +256,7 @@ class Actions:
         if world is not None and ranks != list(range(world)):
             missing = sorted(set(range(world)) - set(ranks))
             raise ActionError(f"a probe needs every rank of the job connected; "
-                              f"rank{'s' if len(missing) > 1 else ''} {_ranges(missing)} "
+                              f"rank{'s' if len(missing) > 1 else ''} {fmt_ranks(missing)} "
                               f"{'are' if len(missing) > 1 else 'is'} not")
         nodes = [self.hub.node_of(r) for r in ranks]
         rounds = [[(ranks[a], ranks[b]) for a, b in rnd] for rnd in plan(nodes)]
@@ -338,7 +338,7 @@ class Actions:
         conns = self.hub.rank_connections()
         lost = [r for r in involved if r not in conns]
         if lost:
-            rc["error"] = f"rank{'s' if len(lost) > 1 else ''} {_ranges(lost)} left"
+            rc["error"] = f"rank{'s' if len(lost) > 1 else ''} {fmt_ranks(lost)} left"
             rc["links"] += [list(p) for p in pairs]
             rc["unmeasured"] += [list(p) for p in pairs]
             return False
@@ -364,7 +364,7 @@ class Actions:
             "ranks": involved, "at_step": at_step, "links": len(pairs),
             "timeout_s": round(again.deadline - time.monotonic(), 1)})
         log.info("rtop hub: probe: re-measuring %d slow link%s on ranks %s from step %d",
-                 len(pairs), "s" if len(pairs) > 1 else "", _ranges(involved), at_step)
+                 len(pairs), "s" if len(pairs) > 1 else "", fmt_ranks(involved), at_step)
         return True
 
     # ---- answers from ranks --------------------------------------------------------
@@ -442,7 +442,7 @@ class Actions:
                     and act.first_ready is not None and now - act.first_ready > GO_WINDOW_S:
                 waiting = sorted(set(act.targets) - act.ready)
                 self._cancel(act, f"rank{'s' if len(waiting) > 1 else ''} "
-                                  f"{_ranges(waiting)} did not reach step {act.at_step} "
+                                  f"{fmt_ranks(waiting)} did not reach step {act.at_step} "
                                   f"within {GO_WINDOW_S:.0f} s of the others")
             if now >= act.deadline:
                 if act.sync and not act.go_sent and act.cancelled is None:
@@ -493,7 +493,7 @@ class Actions:
                 first.recheck if first.recheck and first.recheck["links"] else None)
         if missing:
             log.warning("rtop hub: %s: rank%s %s did not answer within the deadline",
-                        act.action, "s" if len(missing) > 1 else "", _ranges(missing))
+                        act.action, "s" if len(missing) > 1 else "", fmt_ranks(missing))
         self._answer(act.requester, out)
 
     def probe_done(self, ranks: list[int], nodes: list[str],
@@ -552,7 +552,7 @@ def _failure(act: Action) -> str | None:
         return "; ".join(f"rank {r}: {e}" for r, e in sorted(act.errors.items()))[:300]
     if act.pending():
         pending = act.pending()
-        return (f"rank{'s' if len(pending) > 1 else ''} {_ranges(pending)} did not answer "
+        return (f"rank{'s' if len(pending) > 1 else ''} {fmt_ranks(pending)} did not answer "
                 "within the deadline")
     return None
 
@@ -576,8 +576,3 @@ def default_profile_dir(record: Path | None, job: str) -> str:
     from rtop.hub.recorder import default_record_path
 
     return str(default_record_path(job or "job").with_suffix(".profiles") / stamp)
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` → ``"0-2,5"``."""
-    return fmt_ranks(ranks)

@@ -35,6 +35,7 @@ from collectors import wire
 from collectors.discovery import pid_alive, read_private_file, runtime_dir
 from collectors.identity import Identity
 from collectors.spool import KIND_SPOOL, KIND_SPOOL_END, SPOOL_PREFIX, SPOOL_SUFFIX
+from rtop.fmt import fmt_age, fmt_size
 from rtop.run.state import RankState, RunState
 from rtop.run.validate import ProtocolError, clean_identity
 
@@ -234,25 +235,6 @@ def all_spools(directory: Path | None = None) -> list[tuple[Path, str, os.stat_r
         out.append((path, state, st))
     out.sort(key=lambda e: (e[2].st_mtime, e[0].name))
     return out
-
-
-def fmt_age(seconds: float) -> str:
-    """A duration the way ``rtop spool`` takes one: ``45s``, ``12m``, ``6h``, ``7d``."""
-    s = max(0.0, seconds)
-    for unit, div in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
-        if s >= div:
-            v = s / div
-            return (f"{v:.0f}" if v >= 10 else f"{v:.1f}".removesuffix(".0")) + unit
-    return f"{s:.0f}s"
-
-
-def fmt_size(n: float) -> str:
-    """Bytes in binary units (spool bounds are set in them): ``64 MiB``, ``1 GiB``."""
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div:
-            v = n / div
-            return (f"{v:.0f}" if v >= 10 else f"{v:.1f}".removesuffix(".0")) + f" {unit}"
-    return f"{n:.0f} B"
 
 
 @dataclass(frozen=True)

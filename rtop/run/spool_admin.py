@@ -19,7 +19,7 @@ from typing import Any
 
 from collectors import wire
 from collectors.spool import KIND_SPOOL, KIND_SPOOL_END
-from rtop.fmt import NA, safe_text
+from rtop.fmt import NA, fmt_age, fmt_size, safe_text
 from rtop.run import spool as sp
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhdw]?)\s*$")
@@ -178,16 +178,16 @@ def format_list(directory: Path, entries: list[SpoolEntry]) -> str:
         return f"no spool files in {directory}"
     total = sum(e.size_bytes for e in entries)
     foot = (f"{len(entries)} spool file{'s' if len(entries) != 1 else ''}, "
-            f"{sp.fmt_size(total)} of the {sp.fmt_size(sp.SPOOLS_BUDGET_BYTES)} budget, in "
+            f"{fmt_size(total)} of the {fmt_size(sp.SPOOLS_BUDGET_BYTES)} budget, in "
             f"{directory} (hubs remove ingested ones after "
-            f"{sp.fmt_age(sp.KEEP_INGESTED_S)}, those no hub took after "
-            f"{sp.fmt_age(sp.KEEP_UNCLAIMED_S)})")
+            f"{fmt_age(sp.KEEP_INGESTED_S)}, those no hub took after "
+            f"{fmt_age(sp.KEEP_UNCLAIMED_S)})")
     head = (f"{'STATE':<9} {'AGE':>5} {'SIZE':>9} {'RECORDS':>8} {'LEFT OUT':>8}  "
             f"{'JOB':<16} {'RANK':<10} {'HOST':<16} {'PID':>8}  FILE")
     lines = [head]
     for e in entries:
         lines.append(
-            f"{e.state:<9} {sp.fmt_age(e.age_s):>5} {sp.fmt_size(e.size_bytes):>9} "
+            f"{e.state:<9} {fmt_age(e.age_s):>5} {fmt_size(e.size_bytes):>9} "
             f"{_count(e.records):>8} {_count(e.dropped_records):>8}  "
             f"{(e.job or NA)[:16]:<16} {_who(e)[:10]:<10} {(e.hostname or NA)[:16]:<16} "
             f"{_count(e.pid):>8}  {safe_text(e.file, 200)}")
@@ -199,8 +199,8 @@ def format_list(directory: Path, entries: list[SpoolEntry]) -> str:
 
 def format_pruned(directory: Path, res: sp.PruneResult) -> str:
     """``rtop spool prune``: each file removed and why, then how many."""
-    lines = [f"removed {safe_text(r.path.name, 200)}: {sp.fmt_size(r.size_bytes)}, "
-             f"{sp.fmt_age(r.age_s)} old, {res.reason(r)}" for r in res.removed]
+    lines = [f"removed {safe_text(r.path.name, 200)}: {fmt_size(r.size_bytes)}, "
+             f"{fmt_age(r.age_s)} old, {res.reason(r)}" for r in res.removed]
     lines.append(f"{res.summary()} in {directory}" if res.removed
                  else f"nothing to remove in {directory}")
     return "\n".join(lines)
