@@ -18,7 +18,7 @@ short warm-up, it measures:
 * the hub's CPU (100% = one core) and RSS, from psutil once a second, and the hub's CPU
   time per frame ingested;
 * a viewer (:class:`rtop.client.HubClient`) requesting snapshots at ``--viewer-hz``
-  (2 Hz: what a TUI subscribes to): the hub's own ``build_s`` and the round trip
+  (2 Hz: what a TUI asks for): the hub's own ``build_s`` and the round trip
   (request, build, encode, transfer, client decode), median and max;
 * ingest: the snapshot's ``run.step_records`` over time against what the generators
   counted as sent; then, once sending stops, how long the hub takes to catch up and

@@ -29,6 +29,8 @@ log = logging.getLogger("collectors")
 
 #: The most a token file may hold: a token is a line, not a document.
 TOKEN_FILE_MAX_BYTES = 4096
+#: How a DDP model's allreduce may be timed (``ProbeConfig.comm_timing``).
+COMM_TIMINGS = ("ddp", "hook")
 
 
 class TokenFileError(ValueError):
@@ -96,6 +98,17 @@ def _float(name: str, default: float) -> float:
         return default
 
 
+def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """One of ``choices`` from the environment (any case); anything else is logged and
+    ignored."""
+    value = os.environ.get(name)
+    if value is None or value.lower() in choices:
+        return default if value is None else value.lower()
+    log.warning("rtop: %s=%s ignored: it is one of %s (the default, %s, is used)", name,
+                value, ", ".join(choices), default)
+    return default
+
+
 def _share(name: str, default: float) -> float:
     """A share in (0, 1] from the environment; anything else is logged and ignored."""
     value = _float(name, default)
@@ -143,8 +156,8 @@ class ProbeConfig:
     close_timeout_s: float = 2.0
     #: How a DDP model's allreduce is timed: "ddp" (on CPU, DDP's own C++ timer and no
     #: hook: no extra pass over the gradients; see ``collectors.ddptimer``; models it
-    #: cannot time, CUDA ones first, get the hook; "auto", its earlier name, means the
-    #: same) or "hook" (always a comm hook timing each bucket, with CUDA events on GPU).
+    #: cannot time, CUDA ones first, get the hook) or "hook" (always a comm hook timing
+    #: each bucket, with CUDA events on GPU).
     comm_timing: str = "ddp"
     #: Give up on a GPU step time whose CUDA events have not completed after this long.
     cuda_resolve_timeout_s: float = 30.0
@@ -177,7 +190,7 @@ class ProbeConfig:
             sample_interval_s=_float("RTOP_SAMPLE_S", cls.sample_interval_s),
             stack_after_s=_float("RTOP_STACK_AFTER_S", cls.stack_after_s),
             memory_capacity_bytes=_int_or_none("RTOP_MEM_CAPACITY_BYTES"),
-            comm_timing=os.environ.get("RTOP_COMM_TIMING", cls.comm_timing).lower(),
+            comm_timing=_choice("RTOP_COMM_TIMING", COMM_TIMINGS, cls.comm_timing),
             spool=os.environ.get("RTOP_SPOOL", "1").lower() not in ("0", "false", "no"),
             spool_max_bytes=_int_or_none("RTOP_SPOOL_MAX_BYTES") or cls.spool_max_bytes,
             probe_memory_share=_share("RTOP_PROBE_MEMORY_SHARE", cls.probe_memory_share),

@@ -27,9 +27,7 @@
   reconnect the frames not acknowledged are sent again first (the hub ignores a batch
   whose ``seq`` it already holds), then the ones not started. At most
   ``max_unsent_bytes`` of them are kept; beyond that the oldest are let go unconfirmed
-  (``unconfirmed_records``: most of them did arrive). A hub that does not acknowledge
-  (an older one; its welcome says so) gets the old behaviour: a frame handed whole to
-  the socket counts as sent, a frame cut mid-write is lost and counted;
+  (``unconfirmed_records``: most of them did arrive);
 * on :meth:`finish`, sends what it can before a deadline, then a ``bye``; what no hub
   took by then (and the ``bye``) goes to the rank's spool file (:mod:`collectors.spool`)
   for a later hub or ``rtop report``, unless ``spool`` is off.
@@ -133,7 +131,6 @@ class HubConnection:
         #: batch frames written, not yet acknowledged by the hub: (seq, frame, records)
         self._inflight: deque[tuple[int, bytes, int]] = deque()
         self._inflight_bytes = 0
-        self._acks = False  # this connection's hub acknowledges batches (its welcome)
         self._next_connect = 0.0
         self._backoff = config.backoff_initial_s
         self._finishing = False
@@ -358,7 +355,6 @@ class HubConnection:
         self._key, self._nonce, self._peer = key, auth.new_nonce(), f"{host}:{port}"
         self.state = ConnState.HELLO
         self._hello_deadline = now + self._cfg.welcome_timeout_s
-        self._acks = False
         if self._on_connect is not None:
             self._on_connect()
         self._writing.appendleft([memoryview(wire.encode(wire.KIND_HELLO, self._hello())),
@@ -389,17 +385,8 @@ class HubConnection:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
-        # A hub that acknowledges: every batch it did not acknowledge goes back to the
-        # outbox, whole, in order (it ignores those it holds). One that does not: a
-        # frame cut mid-write is lost; frames not started go back to the outbox.
-        acks, self._acks = self._acks, False
-        if self._writing and not acks:
-            head = self._writing.popleft()
-            total = len(head[0].obj)
-            if len(head[0]) < total or not requeue:
-                self.dropped_unsent += head[1]
-            else:
-                self._writing.appendleft(head)
+        # Every batch the hub did not acknowledge goes back to the outbox, whole, in
+        # order (the hub ignores those it holds), a frame cut mid-write included.
         while self._writing:
             view, n, seq = self._writing.pop()
             if n and requeue:
@@ -530,7 +517,6 @@ class HubConnection:
             return
         self._decoder.max_bytes = wire.RANK_FRAME_BYTES
         self.state = ConnState.UP
-        self._acks = frame.payload.get("acks") is True
         self.connects += 1
         self._backoff = self._cfg.backoff_initial_s
         self.hub_info.update({k: v for k, v in frame.payload.items() if k != "proof"})
@@ -568,8 +554,8 @@ class HubConnection:
 
     def _written(self, frame: bytes, records: int, seq: int) -> None:
         """A batch frame handed whole to the socket: kept until the hub acknowledges it
-        (within ``max_unsent_bytes``), or, to a hub that does not, sent."""
-        if not (self._acks and seq):
+        (within ``max_unsent_bytes``)."""
+        if not seq:
             self.sent_records += records
             self.sent_frames += 1
             return

@@ -462,7 +462,7 @@ class Probe:
             timed_by_ddp = not hasattr(model, "_rtop_original_register_comm_hook")
         else:
             why_not = ddptimer.unusable_reason(model)
-            timed_by_ddp = self.config.comm_timing != "hook" and why_not is None
+            timed_by_ddp = self.config.comm_timing == "ddp" and why_not is None
         if timed_by_ddp:
             self.notes.append(ddptimer.install(self, model))
         else:

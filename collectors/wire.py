@@ -65,7 +65,6 @@ KIND_CONTROL: Final = "control"  # an action: to a rank, or from a control peer 
 #: the batches up to ``seq`` are the hub's (recorded and flushed): the rank forgets them
 KIND_ACK: Final = "ack"
 # Viewer <-> hub
-KIND_SUBSCRIBE: Final = "subscribe"
 KIND_SNAPSHOT: Final = "snapshot"
 KIND_REQUEST: Final = "request"
 # Recording only
@@ -75,7 +74,7 @@ KIND_CLOCK: Final = "clock"  # the hub's time, written to a recording every cycl
 #: What an authenticated rank may send (hello again: its own, e.g. after a restart).
 RANK_KINDS: Final = frozenset({KIND_HELLO, KIND_BATCH, KIND_PONG, KIND_BYE, KIND_RESULT})
 #: What an authenticated viewer may send.
-VIEWER_KINDS: Final = frozenset({KIND_SUBSCRIBE, KIND_REQUEST})
+VIEWER_KINDS: Final = frozenset({KIND_REQUEST})
 #: What an authenticated control peer may send: a viewer's kinds and control frames.
 CONTROL_KINDS: Final = VIEWER_KINDS | {KIND_CONTROL}
 

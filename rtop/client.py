@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 from collectors import auth, wire
@@ -128,12 +128,6 @@ class HubClient:
         """One rank's full window (histories, stack, events)."""
         self._send(wire.KIND_REQUEST, {"what": "rank", "rank": rank})
         return cast(RankDetail, self._expect("rank"))
-
-    def subscribe(self, rate_hz: float = 2.0) -> Iterator[Snapshot]:
-        """Snapshots pushed by the hub at ``rate_hz``."""
-        self._send(wire.KIND_SUBSCRIBE, {"rate_hz": rate_hz})
-        while True:
-            yield cast(Snapshot, self._expect(wire.KIND_SNAPSHOT))
 
     def act(self, action: str, *, ranks: list[int] | None = None,
             args: dict[str, Any] | None = None, timeout_s: float | None = None,

@@ -3,7 +3,8 @@
 Used by the collector tests, independently of the hub: it accepts
 connections, goes through the hub's side of the handshake (:mod:`collectors.auth`: a
 challenge with its proof, the rank's proof checked, a welcome or a refusal), and
-keeps every decoded frame after it.
+keeps every decoded frame after it, acknowledging each batch as it comes (``ack``, as
+a hub does once it holds one).
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class Listener:
                         continue
                     with self._lock:
                         self.frames.append((time.time(), frame))
+                    seq = frame.payload.get("seq")
+                    if frame.kind == wire.KIND_BATCH and type(seq) is int and seq > 0:
+                        with contextlib.suppress(OSError):
+                            conn.sendall(wire.encode(wire.KIND_ACK, {"seq": seq}))
 
     def records(self, table: str = "steps") -> dict[int, list[dict[str, Any]]]:
         """Every record of a table received so far, as dicts, by rank."""

@@ -31,10 +31,10 @@ from tests.faultkit import recorded, twice
 from tests.test_connection import ScriptedHub, _batch, _conn, _pump_until
 
 
-def _up(hub: ScriptedHub, conn: HubConnection, acks: bool = True) -> None:
-    """Handshake and welcome (an acknowledging hub unless ``acks`` is False)."""
+def _up(hub: ScriptedHub, conn: HubConnection) -> None:
+    """Handshake and welcome."""
     hub.handshake(conn)
-    hub.welcome({"t_hub": time.time(), **({"acks": True} if acks else {})})
+    hub.welcome({"t_hub": time.time(), "acks": True})
     _pump_until(conn, "the welcome", lambda: conn.state is ConnState.UP)
 
 
@@ -76,20 +76,6 @@ def test_rank_keeps_unacknowledged_batches_and_sends_them_again_first():
         hub.send(wire.KIND_ACK, {"seq": 6})
         _pump_until(conn, "the ack", lambda: conn.unacked_frames == 0)
         assert conn.sent_records == 60 and conn.dropped_unsent == 0
-    finally:
-        hub.close()
-
-
-def test_a_hub_that_does_not_acknowledge_gets_the_old_behaviour():
-    hub = ScriptedHub()
-    try:
-        conn = _conn(hub.address)
-        conn.pump(time.monotonic())
-        _up(hub, conn, acks=False)
-        conn.send(_batch(1), 7, 1)
-        _pump_until(conn, "the write", lambda: conn.sent_records == 7)
-        assert conn.unacked_frames == 0  # nothing kept for an ack that never comes
-        assert _read_batches(hub, 1) == [1]
     finally:
         hub.close()
 

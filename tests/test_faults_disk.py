@@ -36,6 +36,7 @@ from rtop.report import build_report
 from rtop.workload import Faults, WorkloadSpec, free_port
 from tests import reliability
 from tests.faultkit import BackgroundJob, recorded, start_serve, stop_serve, twice, wait_for
+from tests.waiting import snapshots
 
 TOKEN = "disk-fault-token"
 
@@ -157,7 +158,7 @@ def _run_through_disk_fault(tmp_path: Path, record: Path, break_disk: Callable[[
             seen = 0
             starved = None
             last: dict[str, Any] = {}
-            for snap in viewer.subscribe(rate_hz=2.0):
+            for snap in snapshots(viewer, rate_hz=2.0):
                 seen += 1
                 last = snap
                 starved = starved or next((f for f in snap["findings"]

@@ -58,12 +58,13 @@ def throttled_netns():
 VIEWER = """
 import sys, time
 from rtop.client import HubClient, HubError
+from tests.waiting import snapshots
 
 end = time.monotonic() + float(sys.argv[3])
 n = 0
 try:
     with HubClient(sys.argv[1], sys.argv[2], timeout=30) as c:
-        for _ in c.subscribe(rate_hz=2.0):
+        for _ in snapshots(c, rate_hz=2.0):
             n += 1
             if time.monotonic() > end:
                 break

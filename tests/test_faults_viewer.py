@@ -1,7 +1,7 @@
 """Fault suite: a viewer freezes.
 
-A real viewer process connects with the view token, subscribes at 10 Hz and keeps
-asking for the ranks' full windows (as the TUI's detail pane does) without reading
+A real viewer process connects with the view token, asks for 10 snapshots a second and
+keeps asking for the ranks' full windows (as the TUI's detail pane does) without reading
 them; once the hub holds half its high-water mark for it (the kernel's socket buffers
 take the first megabytes), it is frozen (SIGSTOP). Checked: the hub holds at most its
 high-water mark for it (it skips the frozen viewer's snapshots and counts them), its
@@ -28,6 +28,7 @@ from rtop.hub.service import ThreadedHub
 from rtop.workload import WorkloadSpec
 from tests import reliability
 from tests.faultkit import ROOT, BackgroundJob, kept_pace, median_between, rss_mb, wait_for
+from tests.waiting import snapshots
 
 MASTER = "viewer-fault-master-token-0123456789"
 #: the hub's high-water mark per viewer in this test (the default is 8 MB: a frozen
@@ -41,11 +42,14 @@ from rtop.client import HubClient, HubError
 
 c = HubClient(sys.argv[1], sys.argv[2])
 c._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-c._send(wire.KIND_SUBSCRIBE, {"rate_hz": 10.0})
 print("asking", flush=True)
-while True:  # the detail pane's requests, never read, until the test freezes it
+n = 0
+while True:  # 10 snapshots a second and the detail pane's requests, never read, until
+    if n % 5 == 0:  # the test freezes it
+        c._send(wire.KIND_REQUEST, {"what": "snapshot"})
     for rank in (0, 1):
         c._send(wire.KIND_REQUEST, {"what": "rank", "rank": rank})
+    n += 1
     time.sleep(0.02)
 """
 
@@ -75,7 +79,7 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
     def other_viewer() -> None:
         with HubClient(hub.address, view) as c:
             try:
-                for _ in c.subscribe(rate_hz=2.0):
+                for _ in snapshots(c, rate_hz=2.0):
                     counts.append(time.monotonic())
                     if stop.is_set():
                         return
@@ -93,8 +97,10 @@ def test_a_frozen_viewer_costs_the_hub_bounded_memory_and_no_one_else_anything(
                                    hub.address, view], env=env, stdout=subprocess.PIPE,
                                   text=True)
         assert viewer.stdout is not None and viewer.stdout.readline().strip() == "asking"
-        # the viewer has fallen behind: the hub holds what the kernel could not take
-        assert wait_for(lambda: hub.call(_buffered) > HIGH_WATER / 2, 30), \
+        # the viewer has fallen behind: the hub holds what the kernel could not take,
+        # and skips what it asks for beyond its high-water mark
+        assert wait_for(lambda: hub.call(_buffered) > HIGH_WATER / 2
+                        and hub.call(lambda h: h.counters["snapshots_skipped"]) > 0, 30), \
             f"the viewer never fell behind: the hub holds {hub.call(_buffered)} bytes"
         viewer.send_signal(signal.SIGSTOP)
         froze, froze_mono = time.time(), time.monotonic()

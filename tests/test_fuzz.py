@@ -163,7 +163,7 @@ EDGE_COUNTS = (0, 1, 2, 15, 16, 31, 32, 255, 256, 4095, 4096, 4097, 10_000, 16_3
 KNOWN_KINDS = tuple(sorted({
     wire.KIND_HELLO, wire.KIND_CHALLENGE, wire.KIND_AUTH, wire.KIND_WELCOME, wire.KIND_ERROR,
     wire.KIND_BATCH, wire.KIND_PONG, wire.KIND_BYE, wire.KIND_PING, wire.KIND_CONTROL,
-    wire.KIND_SUBSCRIBE, wire.KIND_SNAPSHOT, wire.KIND_REQUEST, wire.KIND_RUN,
+    "subscribe", wire.KIND_SNAPSHOT, wire.KIND_REQUEST, wire.KIND_RUN,
     "clock", "offset", "conn", "finding"}))
 #: field names the application reads, so that hostile payloads reach its code
 FIELDS = ("rank", "group", "world_size", "local_rank", "node", "hostname", "job", "attempt",

@@ -59,17 +59,18 @@ def test_real_ddp_job_and_a_viewer(hub):
     assert detail["found"] and len([s for s in detail["steps"]["step"] if s is not None]) == 40
 
 
-def test_viewer_subscription_pushes_at_the_rate_asked(hub):
+def test_a_viewer_asks_for_each_snapshot_and_may_not_subscribe(hub):
+    """The hub answers each request; it pushes nothing (the retired ``subscribe`` is a
+    kind a viewer may not send)."""
     r = RankClient(hub.address, hub.token, 0)
     assert r.recv().kind == wire.KIND_WELCOME
     r.batch(steps=[step_row(0)])
     with HubClient(hub.address, hub.token) as c:
-        t0 = time.monotonic()
-        it = c.subscribe(rate_hz=4)
-        snaps = [next(it) for _ in range(5)]
-        took = time.monotonic() - t0
-    assert 0.7 <= took <= 3.0, took
-    assert snaps[-1]["ranks"]["rank"] == [0]
+        snaps = [c.snapshot() for _ in range(3)]
+        assert snaps[-1]["ranks"]["rank"] == [0]
+        c._send("subscribe", {"rate_hz": 4.0})
+        with pytest.raises(HubError, match="may not send 'subscribe'"):
+            c.snapshot()
     r.close()
 
 
@@ -242,8 +243,12 @@ def test_slow_viewer_gets_fewer_snapshots_not_a_backlog(tmp_path):
     [challenge] = wire.FrameDecoder().feed(lazy.recv(4096))
     lazy.sendall(wire.encode(wire.KIND_AUTH, {"proof": auth.client_proof(
         key, "viewer", challenge.payload["nonce"], nonce)}))
-    lazy.sendall(wire.encode(wire.KIND_SUBSCRIBE, {"rate_hz": 20}))  # ... and never read
-    assert wait_for(lambda: hub.hub.counters["snapshots_skipped"] > 0, timeout=30)
+
+    def ask() -> bool:  # asks for a snapshot 20 times a second ... and never reads them
+        lazy.sendall(wire.encode(wire.KIND_REQUEST, {"what": "snapshot"}))
+        return bool(hub.hub.counters["snapshots_skipped"] > 0)
+
+    assert wait_for(ask, timeout=30)
     t0 = time.monotonic()
     assert len(snapshot(hub)["ranks"]["rank"]) == 400  # an attentive viewer: served at once
     assert time.monotonic() - t0 < 2.0

@@ -96,6 +96,16 @@ def test_unknown_setting_is_a_clear_error():
         collectors.ProbeConfig.from_env(flush_every=3)
 
 
+def test_comm_timing_takes_ddp_or_hook_and_ignores_anything_else(monkeypatch, caplog):
+    """``auto``, the earlier name of ``ddp``, is retired: like any unknown value it is
+    logged and ignored (the default, ``ddp``, is used)."""
+    for value, want in (("hook", "hook"), ("DDP", "ddp"), ("auto", "ddp"), ("x", "ddp")):
+        monkeypatch.setenv("RTOP_COMM_TIMING", value)
+        caplog.clear()
+        assert collectors.ProbeConfig.from_env().comm_timing == want
+        assert ("ignored" in caplog.text) == (value in ("auto", "x")), caplog.text
+
+
 def test_loader_length_passes_through():
     probe = collectors.Probe(detect(), collectors.ProbeConfig(), start_sender=False)
     assert len(probe.iter([1, 2, 3])) == 3

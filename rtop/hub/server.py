@@ -5,8 +5,9 @@ One port serves four kinds of peer, told apart by what they send first:
 * ranks: ``hello`` (``role: rank``, identity, clock) then, once authenticated,
   ``batch`` frames, answered with a ``welcome`` and, now and then, a ``ping`` whose
   ``pong`` refreshes the rank's clock offset;
-* viewers: ``hello`` with ``role: viewer``, then ``subscribe`` (snapshots pushed at
-  ``rate_hz``, default 2, at most 10) and ``request`` (a snapshot, or one rank's window);
+* viewers: ``hello`` with ``role: viewer``, then ``request`` (a snapshot, or one rank's
+  window), as often as they like: the hub answers each, and skips the answers of a viewer
+  that does not read (``viewer_high_water``);
 * control peers: ``hello`` with ``role: control``: a viewer's frames and ``control``;
 * Prometheus: an HTTP ``GET /metrics`` with ``Authorization: Bearer <view token>``
   (:mod:`rtop.hub.http`).
@@ -44,8 +45,8 @@ a count of the rest.
 Connections are ``asyncio.Protocol`` objects: received bytes go straight through the
 frame decoder into the run state, with no coroutine or timer per frame, so one core
 ingests thousands of ranks. Timeouts (a peer that never speaks or never authenticates,
-half a frame, a silent rank, a slow HTTP request), pings and viewer pushes run from one
-housekeeping loop. While the hub is busy it simply reads less: unread data stays in
+half a frame, a silent rank, a slow HTTP request) and pings run from one housekeeping
+loop. While the hub is busy it simply reads less: unread data stays in
 the kernel, and the ranks' own bounded buffers take it from there; nothing piles up in
 the hub.
 
@@ -87,7 +88,6 @@ from rtop.run.validate import ProtocolError, clean_identity
 
 log = logging.getLogger("rtop.hub")
 
-MAX_VIEWER_HZ = 10.0
 #: A token given for a hub that listens beyond loopback must be at least this long.
 MIN_TOKEN_CHARS = 16
 #: Characters of what a peer sent (a frame kind, an error's text) that reach the log.
@@ -109,7 +109,6 @@ class HubConfig:
     token: str | None = None  # the master token; None: a fresh random one
     record: str | Path | None = None  # None: default location; "" : no recording
     job: str = ""
-    push_hz: float = 2.0
     hello_timeout_s: float = 5.0  # a connection that never speaks is closed after this
     auth_timeout_s: float = 5.0  # ... and one not authenticated after this
     idle_timeout_s: float = 120.0  # a rank connection silent this long is closed
@@ -192,8 +191,6 @@ class _Conn(asyncio.Protocol):
         self.best: list[tuple[float, float]] = []  # (rtt, offset) of recent pongs
         self.ping_seq = 0
         self.next_ping = now + 0.2
-        self.rate = 0.0
-        self.next_push = 0.0
         self.http = bytearray()
 
     # asyncio callbacks
@@ -365,7 +362,6 @@ class Hub:
                 "pid": os.getpid(), "job": self.cfg.job, "record": info.get("record"),
                 "started": time.time()}, master=self.token)
         self.spawn(self._housekeeping())
-        self.spawn(self._pusher())
         log.info("rtop hub listening on %s%s", self.address,
                  f", recording to {info['record']}" if "record" in info else "")
 
@@ -678,7 +674,8 @@ class Hub:
         if frame.kind == wire.KIND_HELLO and rs is not None:
             conn.rank = rs
             self._take_slot(conn, rs)
-            # acks: this hub acknowledges batches (collectors.connection)
+            # acks: this hub acknowledges batches (collectors.connection); collectors
+            # released before that was taken as given still look for it here
             self._welcome(conn, acks=True)
             if self.state.is_current(rs):
                 log.info("rtop hub: rank %d of %d (%r, attempt %d) connected from %r",
@@ -844,12 +841,7 @@ class Hub:
 
     def _viewer_frame(self, conn: _Conn, frame: wire.Frame) -> None:
         p = frame.payload
-        if frame.kind == wire.KIND_SUBSCRIBE:
-            rate = p.get("rate_hz", self.cfg.push_hz)
-            ok = isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0
-            conn.rate = min(float(rate), MAX_VIEWER_HZ) if ok else self.cfg.push_hz
-            conn.next_push = 0.0
-        elif frame.kind == wire.KIND_REQUEST:
+        if frame.kind == wire.KIND_REQUEST:
             if p.get("what") == "rank" and isinstance(p.get("rank"), int):
                 t = conn.transport
                 if t is not None and t.get_write_buffer_size() > self.cfg.viewer_high_water:
@@ -1001,19 +993,6 @@ class Hub:
             return
         t.write(data)
         self.counters["snapshots_sent"] += 1
-
-    async def _pusher(self) -> None:
-        while True:
-            await asyncio.sleep(1.0 / MAX_VIEWER_HZ)
-            mono = time.monotonic()
-            for conn in [c for c in self._conns
-                         if c.role in ("viewer", "control") and c.rate > 0]:
-                if mono >= conn.next_push:
-                    try:
-                        self._offer(conn, self._snapshot_frame())
-                    except Exception:
-                        log.exception("rtop hub: could not build a snapshot")
-                    conn.next_push = max(conn.next_push + 1.0 / conn.rate, mono)
 
     # ---- Prometheus ----------------------------------------------------------------------
 
