@@ -13,6 +13,7 @@ factor, so a finding does not flap.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -528,13 +529,33 @@ def fabric_class(w: Window, cfg: AnalysisConfig) -> str:
 
 def _true_comm(w: Window, ok: np.ndarray) -> tuple[float, float, float]:
     """Collective figures of the rank that arrives last at the allreduce (the smallest
-    comm time): everyone else's include waiting for it. ``(comm_s, exposed_s, busbw)``."""
+    comm time): everyone else's include waiting for it. ``(comm_s, exposed_s, busbw)``.
+
+    Step by step: in each recent step the last to arrive is the rank with the smallest
+    comm time and the best bus bandwidth, and on a large fleet it is a different rank
+    each step (a GC pause here, jitter there), so no rank's own median is pure transfer.
+    The figures are the medians over the recent steps of each step's best (ranks
+    aligned by recency: each rank's newest step, its one before, ...)."""
     comm = np.where(ok, w.steps["comm_s"], np.nan)
     if np.isnan(comm).all():
         return math.nan, math.nan, math.nan
     i = int(np.nanargmin(comm))
-    return float(comm[i]), float(w.steps["comm_exposed_s"][i]), float(np.nanmax(
-        np.where(ok, w.steps["busbw_Bps"], np.nan)))
+    best = (float(comm[i]), float(w.steps["comm_exposed_s"][i]),
+            float(np.nanmax(np.where(ok, w.steps["busbw_Bps"], np.nan))))
+    per_step = [w.recent.get(f) for f in ("comm_s", "comm_exposed_s", "busbw_Bps")]
+    if any(x is None or x.shape[0] != len(ok) for x in per_step):
+        return best
+    rc, re_, rb = (np.where(ok[:, None], x, np.nan) for x in per_step if x is not None)
+    have = ~np.isnan(rc).all(axis=0) & ~np.isnan(rb).all(axis=0)
+    if not have.any():
+        return best
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns
+        c = np.nanmin(rc[:, have], axis=0)
+        e = np.nanmin(re_[:, have], axis=0)
+        b = np.nanmax(rb[:, have], axis=0)
+    return (float(np.nanmedian(c)), float(np.nanmedian(e)) if not np.isnan(e).all()
+            else best[1], float(np.nanmedian(b)))
 
 
 def slow_link(ctx: Context) -> Finding | None:
