@@ -52,8 +52,9 @@ from rtop.fleetsim import LEAK_S, FleetSpec, scenarios, write_recording  # noqa:
 
 #: The fleet runs InfiniBand between nodes (the user's setting ``inter_node_fabric``).
 CFG = AnalysisConfig(inter_node_fabric="infiniband")
-#: Seconds of each simulated run (faults start a quarter in, at least 30 s); a leak runs
-#: on until its memory wall (about 105 s for a fast one, 450 s for a slow one).
+#: Seconds of each simulated run (faults start a quarter in, at least 30 s); a fast leak
+#: runs on until its memory wall (about 105 s), a slow one's (about 450 s) is forecast
+#: (``fleetsim.LEAK_RUN_ON_S``).
 DURATION_S = 120.0
 #: The scenarios run at the small and large scales (every one runs at 1,024).
 SUBSET = ("healthy", "starved", "slow_node", "throttled", "lost_node", "two_faults")
@@ -237,13 +238,15 @@ def write_page(results: list[dict[str, Any]], path: Path, args: argparse.Namespa
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip() or "?"
     scales = sorted({r["ranks"] for r in results})
+    run_min = sum(r["write_s"] + r["replay_s"] for r in results) / 60.0
     lines = [
         "# How often rtop's diagnosis is right",
         "",
-        f"Written by `make accuracy` (`benchmarks/diagnosis_accuracy.py {' '.join(args.argv)}`"
-        f") at commit `{commit}` on {datetime.date.today()}, {platform.machine()}, "
-        f"{os.cpu_count()} cores, in {wall_s / 60:.0f} min. Every figure below is measured "
-        "in that run; nothing is typed in by hand.",
+        f"Written by `make accuracy` (`benchmarks/diagnosis_accuracy.py`) at commit "
+        f"`{commit}` on {datetime.date.today()}, {platform.machine()}, {os.cpu_count()} "
+        f"cores: {len(results)} simulated runs, {run_min:.0f} min of simulation and replay. "
+        "Every figure below is measured in those runs (each run's scores are in "
+        "[diagnosis-runs.jsonl](diagnosis-runs.jsonl)); nothing is typed in by hand.",
         "",
         "**How.** `rtop.fleetsim` simulates a fleet in nodes of 8 GPUs (~1 s steps) with a "
         "real fleet's noise: a per-GPU speed spread (1.5 %), per-step jitter (2 %), "
@@ -377,6 +380,8 @@ def main() -> int:
                     help="each run's scores, one JSON line each, written as they finish")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs --results already holds for this commit; run the rest")
+    ap.add_argument("--merge", type=Path, action="append", default=[],
+                    help="another process's --results file (this commit's runs) to keep too")
     args = ap.parse_args()
     args.argv = sys.argv[1:]
     tasks: list[tuple[int, str, int]] = []
@@ -392,14 +397,16 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     results: list[dict[str, Any]] = []
-    if args.resume and args.results.exists():
-        for line in args.results.read_text().splitlines():
+    if (args.resume and args.results.exists()) or args.merge:
+        lines = [line for f in ([args.results] if args.resume and args.results.exists()
+                                else []) + args.merge for line in f.read_text().splitlines()]
+        for line in lines:
             r = json.loads(line)
             if r.get("commit") == commit and (r["ranks"], r["scenario"], r["seed"]) in tasks:
                 results.append(r)
                 tasks.remove((r["ranks"], r["scenario"], r["seed"]))
-        print(f"{len(results)} runs kept from {args.results}", flush=True)
-    else:
+        print(f"{len(results)} runs kept", flush=True)
+    if not args.resume:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text("")
     # the largest first, so the pool ends on small ones
@@ -427,6 +434,13 @@ def main() -> int:
                   f"fn {r['naive']['fn_ranks']}  ({r['write_s']:.0f}+{r['replay_s']:.0f} s)",
                   flush=True)
     wall_s = time.perf_counter() - t0
+    with args.results.open("w") as out:  # every run this page is made of, merged ones too
+        for r in results:
+            r = {k: v for k, v in r.items() if k != "naive_eval_ms"}
+            r["naive"] = {**r["naive"], "false_rank_faults": []}
+            r["rtop_eval_ms"] = r["rtop_eval_ms"][::10] if len(r["rtop_eval_ms"]) > 100 \
+                else r["rtop_eval_ms"]
+            out.write(json.dumps(r) + "\n")
     checks = check_targets([r for r in results if r["ranks"] == 1024] or results)
     for name, ok, what in checks:
         print(f"{'PASS' if ok else 'MISS'}  {name}: {what}")

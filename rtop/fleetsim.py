@@ -269,6 +269,11 @@ def scenarios(spec: FleetSpec) -> dict[str, Scenario]:
 LEAK_S: Final = {"leak_fast": 75.0, "leak_slow": 420.0}
 
 
+#: A run whose leak hits the wall at most this long after its end runs on until it does
+#: (the rank fails there); a wall further away is only forecast (``TruthFault.wall``).
+LEAK_RUN_ON_S: Final = 60.0
+
+
 def leak_rate(fault: Fault) -> float:
     """Bytes a second a leak adds (``size``, else what fills the device in
     :data:`LEAK_S`)."""
@@ -428,6 +433,8 @@ class _Run:
         step_times: list[float] = []
         # per rank: the steps made, with their end times, not yet sent
         steps: list[tuple[float, int, dict[str, np.ndarray]]] = []
+        if oom_at is not None and oom_at > spec.duration_s + LEAK_RUN_ON_S:
+            oom_at = None  # the wall lies well past the run: the run ends before it
         end = spec.duration_s if oom_at is None else max(spec.duration_s, oom_at + 1.0)
         gap = 0.001
         while t < end:
