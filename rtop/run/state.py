@@ -921,13 +921,19 @@ class RunState:
         return self._links
 
     def _busbw_now(self) -> float | None:
-        """The allreduce's bus bandwidth now: the best rank's recent median."""
-        ranks = [r for r in self.active_ranks() if r.status == "active"]
+        """The allreduce's bus bandwidth now, as the diagnosis reads it (``slow_link``):
+        in each recent step the best rank's (the last to arrive, whose time is pure
+        transfer), the median over those steps."""
+        ranks = [r for r in self.active_ranks() if r.status == "active" and r.slot is not None]
         if not ranks:
             return None
-        med, _ = self.window(ranks, self.recent_steps)
-        col = med[:, self.steps.index["busbw_Bps"]]
-        return None if np.isnan(col).all() else float(np.nanmax(col))
+        slots = np.array([r.slot for r in ranks], dtype=np.int64)
+        per_step = self.steps.last(slots, self.recent_steps, ["busbw_Bps"])[:, :, 0].astype(
+            np.float64)
+        have = ~np.isnan(per_step).all(axis=0)
+        if not have.any():
+            return None
+        return float(np.nanmedian(np.nanmax(per_step[:, have], axis=0)))
 
     # ---- views ------------------------------------------------------------------------
 
