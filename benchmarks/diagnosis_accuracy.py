@@ -239,6 +239,17 @@ def write_page(results: list[dict[str, Any]], path: Path, args: argparse.Namespa
                             capture_output=True, text=True).stdout.strip() or "?"
     scales = sorted({r["ranks"] for r in results})
     run_min = sum(r["write_s"] + r["replay_s"] for r in results) / 60.0
+    made_at: dict[str, int] = {}
+    for r in results:
+        made_at[r.get("commit", "?")[:7]] = made_at.get(r.get("commit", "?")[:7], 0) + 1
+    since = []
+    for c in made_at:
+        log = subprocess.run(["git", "log", "--oneline", f"{c}..HEAD", "--", "rtop/analysis",
+                              "rtop/run", "rtop/fleetsim.py", "rtop/fleetscore.py"],
+                             cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        if log:
+            since.append(f"since `{c}`: " + "; ".join(
+                f"`{line[:7]}` {line[8:90]}" for line in log.splitlines()))
     lines = [
         "# How often rtop's diagnosis is right",
         "",
@@ -246,7 +257,10 @@ def write_page(results: list[dict[str, Any]], path: Path, args: argparse.Namespa
         f"`{commit}` on {datetime.date.today()}, {platform.machine()}, {os.cpu_count()} "
         f"cores: {len(results)} simulated runs, {run_min:.0f} min of simulation and replay. "
         "Every figure below is measured in those runs (each run's scores are in "
-        "[diagnosis-runs.jsonl](diagnosis-runs.jsonl)); nothing is typed in by hand.",
+        "[diagnosis-runs.jsonl](diagnosis-runs.jsonl)); nothing is typed in by hand. Runs "
+        f"made at {', '.join(f'`{c}` ({n})' for c, n in made_at.items())}"
+        + (f"; changes to the diagnosis, the run state or the simulator {', '.join(since)}"
+           if since else "") + ".",
         "",
         "**How.** `rtop.fleetsim` simulates a fleet in nodes of 8 GPUs (~1 s steps) with a "
         "real fleet's noise: a per-GPU speed spread (1.5 %), per-step jitter (2 %), "
@@ -260,8 +274,11 @@ def write_page(results: list[dict[str, Any]], path: Path, args: argparse.Namespa
         "rank named by a finding of its fault's kind is right; any other rank named by a "
         "rank-fault kind is a false alarm. A node is named when every rank of it is in one "
         "finding. Job facts (every GPU power-capped, every rank waiting for data) are not "
-        "rank faults. Latency is from the fault's onset to the first evaluation that names "
-        "it (for a node, its last rank), in seconds and in the run's median steps.",
+        "rank faults. Latency is from the fault's onset (for a fault that acts on steps, "
+        "the start of the first step it acts on; for a GPU's clock, a leak or a lost rank, "
+        "the moment it begins) to the first evaluation that names it (for a node, its last "
+        "rank), in seconds and in the run's median steps; it includes the collectors' "
+        "half-second batching and the hub's half-second evaluation cadence.",
         "",
         "**The naive baseline** is rtop's diagnosis before issue 26: its fixed thresholds "
         "(starved: data wait ≥ 3× the others' median, ≥ 5 ms and ≥ 15 % of the step; "
@@ -380,8 +397,11 @@ def main() -> int:
                     help="each run's scores, one JSON line each, written as they finish")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs --results already holds for this commit; run the rest")
+    ap.add_argument("--page-only", action="store_true",
+                    help="run nothing: write the page from the runs kept (--merge, --resume)")
     ap.add_argument("--merge", type=Path, action="append", default=[],
-                    help="another process's --results file (this commit's runs) to keep too")
+                    help="another process's --results file to keep too (the page says at which "
+                    "commits its runs were made, and what changed in the diagnosis since)")
     args = ap.parse_args()
     args.argv = sys.argv[1:]
     tasks: list[tuple[int, str, int]] = []
@@ -397,15 +417,20 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     results: list[dict[str, Any]] = []
-    if (args.resume and args.results.exists()) or args.merge:
-        lines = [line for f in ([args.results] if args.resume and args.results.exists()
-                                else []) + args.merge for line in f.read_text().splitlines()]
-        for line in lines:
+    sources = [(f, False) for f in args.merge]  # another process's runs: any commit
+    if args.resume and args.results.exists():
+        sources.append((args.results, True))  # our own: this commit's only
+    for path, own in sources:
+        for line in path.read_text().splitlines():
             r = json.loads(line)
-            if r.get("commit") == commit and (r["ranks"], r["scenario"], r["seed"]) in tasks:
+            key = (r["ranks"], r["scenario"], r["seed"])
+            if (not own or r.get("commit") == commit) and key in tasks:
                 results.append(r)
-                tasks.remove((r["ranks"], r["scenario"], r["seed"]))
+                tasks.remove(key)
+    if sources:
         print(f"{len(results)} runs kept", flush=True)
+    if args.page_only:
+        tasks = []
     if not args.resume:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text("")

@@ -155,6 +155,11 @@ FAULTS: Final[dict[str, tuple[str, ...]]] = {
     "input_bound": ("input_bound",),
     "slow_nic": ("slow_link", "low_scaling_efficiency"),
 }
+#: Faults that act on steps (a step's data wait, compute or allreduce, or a step that
+#: never ends): their onset is the start of the first step they act on. The others act
+#: at once (a throttled GPU's clock, a leak, a lost rank's connection).
+STEP_FAULTS: Final = frozenset({"starved", "straggler", "slow_node", "fail_slow",
+                                "input_bound", "slow_nic", "hang"})
 #: Faults of the whole job, named once as a fact about it (not rank faults).
 JOB_FAULTS: Final = frozenset({"input_bound", "slow_nic"})
 
@@ -470,7 +475,7 @@ class _Run:
             run_end = oom_at + 2.0
         else:
             run_end = end
-        self._truth_faults(leaks, oom_at, fleet)
+        self._truth_faults(leaks, oom_at, fleet, [t0 for t0, _, _ in steps])
         self.truth.t_end = T0 + run_end
         # batches, per flush tick, ranks in their flush phase's order
         order = np.argsort(fleet.flush_phase, kind="stable")
@@ -624,7 +629,7 @@ class _Run:
                 "stack": None})]
 
     def _truth_faults(self, leaks: list[tuple[Fault, list[int]]], oom_at: float | None,
-                      fleet: _Fleet) -> None:
+                      fleet: _Fleet, step_starts: list[float]) -> None:
         spec = self.spec
         for f in self.scenario.faults:
             rs = f.targets(spec)
@@ -641,8 +646,13 @@ class _Run:
                 while a < spec.duration_s:
                     periods.append((T0 + a, T0 + a + f.period_s))
                     a += 2 * f.period_s
+            # a fault that acts on steps first shows in the first step that starts once it
+            # is on (a step under way when it begins is not touched): its onset
+            onset = f.start_s
+            if f.kind in STEP_FAULTS:
+                onset = next((t for t in step_starts if t >= f.start_s), f.start_s)
             self.truth.faults.append(TruthFault(
-                f.kind, FAULTS[f.kind], sorted(rs), nodes, T0 + f.start_s,
+                f.kind, FAULTS[f.kind], sorted(rs), nodes, T0 + onset,
                 f.kind in JOB_FAULTS, wall, periods))
 
 
