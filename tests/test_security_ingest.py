@@ -287,8 +287,9 @@ def test_non_finite_numbers_are_not_measured():
     mon.apply(batch(0, steps=step_rows(30, compute_s=inf, busbw_Bps=-inf),
                     gpu=[gpu_row(clock_event_reasons=inf, power_w=nan, temp_c=1e300)],
                     hb=[hb_row(phase_s=inf)], cpu_s=inf), NOW + 3)
-    mon.apply(batch(1, steps=step_rows(30), gpu=[gpu_row(sm_clock_mhz=1200,
-                                                         clock_event_reasons=1 << 3)]),
+    # throttled in two samples in a row (one sample is never a throttled GPU)
+    mon.apply(batch(1, steps=step_rows(30), gpu=[
+        gpu_row(NOW + k, sm_clock_mhz=1200, clock_event_reasons=1 << 3) for k in (1, 2)]),
               NOW + 3)
     rs0 = mon.state.rank_state(0)
     reasons = GPU_FIELDS.index("clock_event_reasons")
