@@ -67,7 +67,8 @@ def kinds(findings):
 
 
 def test_others_median_does_not_hide_the_culprit_with_two_ranks():
-    st = state_with(steps({0: {"compute_s": 0.05}, 1: {"compute_s": 0.10}}))
+    # 40 steps of 0.1 s: 20 of warm-up, then 2 s slow (straggler_min_s: at least 1.5 s)
+    st = state_with(steps({0: {"compute_s": 0.05}, 1: {"compute_s": 0.10}}, n=40))
     w = take(st, AnalysisConfig())
     assert list(w.others_median(w.steps["compute_s"])) == pytest.approx([0.10, 0.05])
     found = kinds(evaluate(st, AnalysisConfig()))
@@ -93,8 +94,10 @@ def test_a_burst_of_slow_steps_is_not_a_straggler():
     assert found["straggler"].ranks == [1]
     assert found["straggler"].evidence["ranks"]["1"]["slow_step_fraction"] == \
         pytest.approx(0.8)
-    # the share is a threshold like the others
-    assert "straggler" in kinds(evaluate(burst, AnalysisConfig(straggler_min_fraction=0.5)))
+    # the share (and the time those steps last) are thresholds like the others
+    assert "straggler" not in kinds(evaluate(burst, AnalysisConfig(straggler_min_fraction=0.5)))
+    assert "straggler" in kinds(evaluate(burst, AnalysisConfig(straggler_min_fraction=0.5,
+                                                               straggler_min_s=1.0)))
 
 
 def test_straggler_blamed_on_throttled_clocks():
@@ -128,7 +131,7 @@ def test_straggler_blamed_on_a_different_gpu_model():
     fig[1] = {"compute_s": 0.13, "comm_s": 0.005}
     dev = {"all": {"name": "NVIDIA H200", "nvlink_links": 18},
            1: {"name": "NVIDIA H100 80GB HBM3", "nvlink_links": 18}}
-    found = kinds(evaluate(state_with(steps(fig), device=dev), AnalysisConfig()))
+    found = kinds(evaluate(state_with(steps(fig, n=40), device=dev), AnalysisConfig()))
     assert found["straggler"].ranks == [1]
     assert "different GPU (NVIDIA H100 80GB HBM3, the others NVIDIA H200)" in \
         found["straggler"].evidence["cause"]

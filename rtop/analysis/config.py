@@ -59,7 +59,7 @@ class AnalysisConfig:
     starved_min_wait_s: float = 0.005  # ... and at least this long
     starved_min_share: float = 0.15  # ... and at least this share of the rank's step
     starved_z: float = 6.0  # ... and this many robust spreads (MAD) above its peers
-    starved_min_fraction: float = 0.6  # ... in at least this share of its recent steps
+    starved_min_fraction: float = 0.5  # ... in at least this share of its recent steps
     # ... and, held in just persist_min_steps, not shrinking below this share of its
     # excess from one step to the next (a loader catching up after one stall)
     starved_steady: float = 0.8
@@ -72,6 +72,9 @@ class AnalysisConfig:
     straggler_min_share: float = 0.10  # ... and the excess at least this share of its step
     straggler_z: float = 6.0  # ... and this many robust spreads (MAD) above its peers
     straggler_min_fraction: float = 0.6  # ... in at least this share of its recent steps
+    # ... and those slow steps together last at least this long: on fast steps, a second
+    # of CPU contention (a checkpoint's write beside the job) slows ten-odd steps alike
+    straggler_min_s: float = 1.5
     straggler_max_share: float = 0.5  # more than this share of the ranks slow: no straggler
     straggler_clear: float = 0.8  # active findings use thresholds times this
     # straggler: its cause, read from the slow rank's own counters

@@ -26,7 +26,7 @@ from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.kinds import KINDS
 from rtop.analysis.window import Window, measured
 from rtop.run.snapshot import FindingDict, ProbeLinks, Severity
-from rtop.run.state import RankState
+from rtop.run.state import PER_STEP_BEST_MIN_RANKS, RankState
 
 # How much the evidence lists (sizes, not thresholds: a finding's counts are kept whole)
 MAX_EVIDENCE_RANKS = 8  # ranks described one by one
@@ -419,7 +419,9 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
                                           newest=False)
         hit = ok & held & (comp >= slow_at) \
             & (np.isnan(step) | (excess >= cfg.straggler_min_share * k * step)) \
-            & (fraction >= cfg.straggler_min_fraction * k)
+            & (fraction >= cfg.straggler_min_fraction * k) \
+            & (np.nansum(np.where(slow_step & valid, np.fmax(w.recent["step_s"], per_step),
+                                  0.0), axis=1) >= cfg.straggler_min_s * k)
     flagged = np.flatnonzero(hit).tolist()
     if len(flagged) > max(1, int(cfg.straggler_max_share * ok.sum())):
         return None  # most ranks "slow" is no straggler: the others are fast
@@ -534,8 +536,10 @@ def _true_comm(w: Window, ok: np.ndarray) -> tuple[float, float, float]:
     Step by step: in each recent step the last to arrive is the rank with the smallest
     comm time and the best bus bandwidth, and on a large fleet it is a different rank
     each step (a GC pause here, jitter there), so no rank's own median is pure transfer.
-    The figures are the medians over the recent steps of each step's best (ranks
-    aligned by recency: each rank's newest step, its one before, ...)."""
+    Above ``PER_STEP_BEST_MIN_RANKS`` ranks the figures are the medians over the recent
+    steps of each step's best (ranks aligned by recency: each rank's newest step, its one
+    before, ...); on fewer, the last to arrive is mostly the same rank (the slowest), and
+    its own medians are read."""
     comm = np.where(ok, w.steps["comm_s"], np.nan)
     if np.isnan(comm).all():
         return math.nan, math.nan, math.nan
@@ -543,7 +547,8 @@ def _true_comm(w: Window, ok: np.ndarray) -> tuple[float, float, float]:
     best = (float(comm[i]), float(w.steps["comm_exposed_s"][i]),
             float(np.nanmax(np.where(ok, w.steps["busbw_Bps"], np.nan))))
     per_step = [w.recent.get(f) for f in ("comm_s", "comm_exposed_s", "busbw_Bps")]
-    if any(x is None or x.shape[0] != len(ok) for x in per_step):
+    if ok.sum() <= PER_STEP_BEST_MIN_RANKS or any(
+            x is None or x.shape[0] != len(ok) for x in per_step):
         return best
     rc, re_, rb = (np.where(ok[:, None], x, np.nan) for x in per_step if x is not None)
     have = ~np.isnan(rc).all(axis=0) & ~np.isnan(rb).all(axis=0)

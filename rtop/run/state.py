@@ -113,6 +113,11 @@ _NAN = float("nan")
 KIND_LINKS: Final = "links"
 #: How a rank's connection can end without a goodbye (a ``conn`` close frame's ``how``).
 LOST_HOW: Final = ("reset", "eof", "closed")
+#: Above this many ranks the rank that arrives last at the allreduce (whose collective
+#: time is pure transfer) is a different one each step (a GC pause here, jitter there),
+#: so no rank's own median is pure: the transfer is read step by step (each recent
+#: step's best rank), not from the best rank's median.
+PER_STEP_BEST_MIN_RANKS: Final = 64
 #: A frame the hub writes (never a rank: the hub refuses it from one) when the command
 #: whose ranks it watches has exited (``rtop run`` tells its own hub):
 #: ``{"code": int, "exited_at": hub time}``, the code as a shell reports it.
@@ -922,11 +927,16 @@ class RunState:
 
     def _busbw_now(self) -> float | None:
         """The allreduce's bus bandwidth now, as the diagnosis reads it (``slow_link``):
-        in each recent step the best rank's (the last to arrive, whose time is pure
-        transfer), the median over those steps."""
+        the best rank's recent median (the last to arrive, whose time is pure transfer);
+        above :data:`PER_STEP_BEST_MIN_RANKS` ranks, each recent step's best, the median
+        over those steps."""
         ranks = [r for r in self.active_ranks() if r.status == "active" and r.slot is not None]
         if not ranks:
             return None
+        if len(ranks) <= PER_STEP_BEST_MIN_RANKS:
+            med, _ = self.window(ranks, self.recent_steps)
+            col = med[:, self.steps.index["busbw_Bps"]]
+            return None if np.isnan(col).all() else float(np.nanmax(col))
         slots = np.array([r.slot for r in ranks], dtype=np.int64)
         per_step = self.steps.last(slots, self.recent_steps, ["busbw_Bps"])[:, :, 0].astype(
             np.float64)
