@@ -389,6 +389,11 @@ def main() -> int:
     ap.add_argument("--scales", type=int, nargs="+", default=[1024, 64, 4096])
     ap.add_argument("--seeds", type=int, default=5, help="seeds at 1,024 ranks and fewer")
     ap.add_argument("--large-seeds", type=int, default=1, help="seeds above 1,024 ranks")
+    ap.add_argument("--scenarios", nargs="+", default=None,
+                    help="only these scenarios (default: every one at 1,024, a subset above "
+                    "and below)")
+    ap.add_argument("--seed-from", type=int, default=1,
+                    help="the first seed (to share a matrix among processes)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "diagnosis.md")
     ap.add_argument("--quick", action="store_true", help="64 and 256 ranks, 1 seed")
@@ -412,8 +417,9 @@ def main() -> int:
         for n in args.scales:
             main_scale = n == 1024 or len(args.scales) == 1
             seeds = args.seeds if n <= 1024 else args.large_seeds
-            for seed in range(1, seeds + 1):
-                tasks += [(n, s, seed) for s in names if main_scale or s in SUBSET]
+            for seed in range(args.seed_from, seeds + 1):
+                tasks += [(n, s, seed) for s in names if (main_scale or s in SUBSET)
+                          and (args.scenarios is None or s in args.scenarios)]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     results: list[dict[str, Any]] = []
