@@ -424,23 +424,6 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Ui:
-    """``check`` / ``skip`` / ``say`` for a run of this script alone."""
-
-    def __init__(self) -> None:
-        self.failed = 0
-
-    def check(self, name: str, ok: bool, detail: str) -> None:
-        self.failed += not ok
-        print(f"  {'PASS' if ok else 'FAIL':4}  {name}: {detail}", flush=True)
-
-    def skip(self, name: str, why: str) -> None:
-        print(f"  SKIP  {name}: {why}", flush=True)
-
-    def say(self, line: str) -> None:
-        print(f"     {line}", flush=True)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -458,7 +441,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check_probe: no CUDA device here", file=sys.stderr)
         return 2
-    ui = _Ui()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_check_collectives import PlainUI
+
+    ui = PlainUI()
     for label, fn in sections(torch, ui):
         print(label, flush=True)
         with contextlib.suppress(KeyboardInterrupt):
