@@ -34,9 +34,9 @@ test: lint typecheck pytest
 # The fast tier, while working: lint, types, and every test that starts no training job,
 # no Ray, no fault scenario, no fuzzer, no browser, no fresh virtualenv and needs no root
 # (tests/conftest.py).
-FAST := not (job or ray or fault or fuzz or root or browser or install)
+FAST := not (job or ray or fault or fuzz or root or browser or install or slow)
 test-fast: lint typecheck
-	$(VENV)/bin/pytest -q -m "$(FAST)" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n 4 -m "$(FAST)" $(PYTEST_ARGS)
 
 # The fuzzers of tests/test_fuzz.py (frame decoder, recording reader, the rank's side
 # of the hub connection) at 1,000,000 cases per property (CI: 10,000 per target, shared

@@ -11,7 +11,9 @@ Every test says what it needs by its markers (declared in ``pyproject.toml``):
 * ``fuzz``: the fuzzers of ``tests/test_fuzz.py``;
 * ``root``: network namespaces, tmpfs or loop mounts (root only);
 * ``browser``: drives a headless Chromium;
-* ``install``: builds a fresh virtualenv from the package registry.
+* ``install``: builds a fresh virtualenv from the package registry;
+* ``slow``: needs seconds of CPU in the test process itself (the simulated 256-rank
+  fleets of ``test_fleet_diagnosis.py``, the 4,096-rank analysis).
 
 A module's markers are in :data:`NEEDS` (one place, reviewed as a table), a single test's
 beside it (``@pytest.mark.job``). ``make test-fast`` runs every test that needs none of
@@ -107,6 +109,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "test_faults_network.py": ("fault", "root", "job"),
     "test_faults_overload.py": ("fault", "root", "job"),
     "test_faults_viewer.py": ("fault", "job"),
+    "test_fleet_diagnosis.py": ("slow",),
     "test_fsdp.py": ("job",),
     "test_fuzz.py": ("fuzz",),
     "test_hf.py": ("job",),
@@ -131,7 +134,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "test_viewer_install.py": ("install",),
 }
 #: The markers of the tiers (``make test-fast`` deselects them all).
-TIER_MARKERS = ("job", "ray", "fault", "fuzz", "root", "browser", "install")
+TIER_MARKERS = ("job", "ray", "fault", "fuzz", "root", "browser", "install", "slow")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

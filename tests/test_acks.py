@@ -207,6 +207,7 @@ def test_run_state_applies_a_rank_process_batch_once():
     assert rs.steps_seen == 4 and state.duplicate_frames == 1
 
 
+@pytest.mark.job
 def test_a_job_that_ends_normally_leaves_nothing_unacknowledged(tmp_path: Path):
     token = "acks-job-token-0123456789"
     record = tmp_path / "run.rtop"

@@ -302,6 +302,7 @@ def test_thresholds_are_configurable_and_checked(tmp_path, monkeypatch):
         AnalysisConfig().with_changes(straggler=3)
 
 
+@pytest.mark.slow
 def test_analysis_of_4096_ranks_is_fast():
     rng = np.random.default_rng(0)
     fig = {r: {"compute_s": float(0.07 + rng.normal(0, 0.001))} for r in range(4096)}

@@ -102,6 +102,7 @@ def short_job(tmp_path: Path) -> Iterator[Job]:
         j.close()
 
 
+@pytest.mark.job
 def test_stacks_profile_and_probe_through_the_hub(short_job: Job, tmp_path: Path) -> None:
     """The three actions as a user runs them, one after the other, on one job, which
     then finishes normally."""
@@ -208,6 +209,7 @@ def test_a_rank_that_never_answers_is_named_by_the_deadline() -> None:
         hub.stop()
 
 
+@pytest.mark.job
 def test_a_hung_rank_answers_stacks_and_a_probe_starts_nowhere(tmp_path: Path) -> None:
     """Rank 1 hangs in the training loop (a known line of rtop/workload.py): its stacks
     still come back, at that line; a probe cannot start on every rank, so it starts on
@@ -238,6 +240,7 @@ def test_a_hung_rank_answers_stacks_and_a_probe_starts_nowhere(tmp_path: Path) -
         j.close()
 
 
+@pytest.mark.job
 def test_a_rank_killed_during_a_probe_ends_it_for_everyone(tmp_path: Path) -> None:
     """SIGKILL rank 1 while the probe's transfers run: the probe ends with rank 1's
     error, rank 0's probe gives up on its dead peer instead of hanging, and the
@@ -277,6 +280,7 @@ def test_a_rank_killed_during_a_probe_ends_it_for_everyone(tmp_path: Path) -> No
         j.close()
 
 
+@pytest.mark.job
 def test_a_rank_killed_during_a_profile_is_named_and_rtop_holds_no_one(tmp_path: Path
                                                                        ) -> None:
     """SIGKILL rank 1 while both ranks capture a profile: the answer names rank 1 (its

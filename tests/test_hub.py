@@ -41,6 +41,7 @@ def snapshot(hub):
         return c.snapshot()
 
 
+@pytest.mark.job
 def test_real_ddp_job_and_a_viewer(hub):
     spec = WorkloadSpec(world_size=2, steps=40, dim=64, hidden=128, hub=hub.address,
                         token=hub.token)

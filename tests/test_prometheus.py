@@ -252,6 +252,7 @@ def prometheus_binary() -> str:
     return found
 
 
+@pytest.mark.job
 def test_real_prometheus_scrapes_a_real_job(prometheus_binary: str, tmp_path: Path) -> None:
     hub = ThreadedHub(record="", token=MASTER).start()
     stop = threading.Event()

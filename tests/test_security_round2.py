@@ -158,6 +158,7 @@ def step_walls(record: Path, rank: int) -> list[float]:
 # ---- A: a huge field in a rank's answer ------------------------------------------------
 
 
+@pytest.mark.job
 def test_a_a_huge_late_answer_costs_the_hub_nothing_and_breaks_no_one(
         job: Job, hub_process: HubProcess) -> None:
     """Before: a rank answering a probe with a ``late`` result whose ``step`` was a 31 MB
@@ -242,6 +243,7 @@ def test_a_answers_are_typed_and_bounded_where_they_enter() -> None:
 # ---- B: a second connection claims a connected rank ------------------------------------
 
 
+@pytest.mark.job
 def test_b_a_second_connection_cannot_take_a_connected_rank(job: Job) -> None:
     """Before: a second connection claiming rank 1 won (the last connection for a rank
     won): ``rtop stacks`` showed its forged stack, it received rank 1's control frames
@@ -334,6 +336,7 @@ def test_b_a_rank_process_takes_its_place_back_and_a_dead_holder_is_replaced() -
 # ---- B2: a stray hello as rank 0 of a new group ----------------------------------------
 
 
+@pytest.mark.job
 def test_b2_a_stray_group_neither_hides_the_job_nor_leaves_a_false_lost_rank(
         job: Job, hub_process: HubProcess) -> None:
     """Before: one hello as rank 0 of a new group (world 1) became the current attempt:

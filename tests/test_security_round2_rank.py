@@ -130,6 +130,7 @@ def test_the_probe_share_is_a_setting(monkeypatch, caplog):
     assert any("RTOP_PROBE_MEMORY_SHARE" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.job
 def test_a_probe_the_ranks_cannot_afford_is_refused_before_anything_is_allocated(
         tmp_path: Path) -> None:
     """The issue's figure: ``rtop probe --bytes 1073741824`` on a 2-rank gloo job. The
@@ -172,6 +173,7 @@ def _tree_modes(top: Path, below: Path) -> dict[str, int]:
             for p in [below, *below.parents] if p != top and top in p.parents}
 
 
+@pytest.mark.job
 def test_a_profile_gives_back_what_it_took_and_writes_privately(tmp_path: Path) -> None:
     """``rtop profile`` of 100 steps (the most allowed) on a real job: the ranks' resident
     memory afterwards is back near where it was (before: +150 MB kept per 100 steps,
@@ -241,6 +243,7 @@ print(json.dumps(answers))
 """
 
 
+@pytest.mark.job
 def test_a_capture_stops_early_when_the_rank_grows_past_its_bound(tmp_path: Path) -> None:
     """A real capture on a real (one-process) training loop whose memory grows 2 MiB a
     step: it stops at the first boundary past the bound and says so, with the trace of
@@ -266,6 +269,7 @@ def test_a_capture_stops_early_when_the_rank_grows_past_its_bound(tmp_path: Path
 # ---- I: ranks hold the ingest token only ------------------------------------------------
 
 
+@pytest.mark.job
 def test_the_auto_hub_gives_ranks_the_ingest_token_and_viewers_the_master(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job with no settings (the node-local hub): its hub file gives ranks the ingest
@@ -532,6 +536,8 @@ print(json.dumps(res))
 
 
 @needs_root
+@pytest.mark.job
+@pytest.mark.root
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
 def test_under_a_real_squat_of_tmp_discovery_and_spools_still_work(tmp_path):
     """The attack as it happens: another user (``nobody``) owns ``/tmp/rtop-<uid>``, in a

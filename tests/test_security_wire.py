@@ -844,6 +844,7 @@ def measure_hostile_hub(tmp: Path, hostile_s: float = 6.0, pythonpath: str | Non
     return res
 
 
+@pytest.mark.job
 def test_finding11_a_hostile_hub_cannot_blow_up_the_training_process(tmp_path):
     """A listener on the hub's address answers each connection with an 8 MB frame of
     empty maps. Before: +563 MB in every rank, decoded on the sender thread under the
@@ -878,6 +879,7 @@ def _walk(obj: Any) -> Any:
             yield from _walk(v)
 
 
+@pytest.mark.job
 def test_finding3_no_token_in_any_file_a_run_writes(tmp_path, monkeypatch):
     """A node-local hub started by real ranks (recording, discovery file, its log),
     a viewer, ``rtop status`` and a /metrics scrape: then every file under the run's

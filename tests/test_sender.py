@@ -9,6 +9,8 @@ import textwrap
 import threading
 import time
 
+import pytest
+
 import collectors
 from collectors.identity import detect
 from rtop.workload import Faults, WorkloadSpec, free_port, run_local
@@ -31,6 +33,7 @@ def _train(probe: collectors.Probe, steps: int, step_s: float = 0.005) -> None:
 ABSENT_WHILE_TRAINING_S = 3.0
 
 
+@pytest.mark.job
 def test_hub_absent_from_start_then_appears(tmp_path):
     port = free_port()
     spec = WorkloadSpec(
@@ -168,6 +171,7 @@ for _ in probe.iter(range(40)):
 """
 
 
+@pytest.mark.job
 def test_interpreter_exit_flushes(listener):
     env = {"RTOP_HUB": listener.address, "RTOP_TOKEN": listener.token, "PATH": "/usr/bin"}
     t0 = time.monotonic()
@@ -218,6 +222,7 @@ def test_checkpoint_cost_is_an_event(listener):
     assert steps[3]["gap_s"] >= 0.28
 
 
+@pytest.mark.job
 def test_loader_workers_cpu_is_sampled(listener):
     spec = WorkloadSpec(world_size=1, steps=400, batch=64, loader="torch",
                         loader_workers=2, hub=listener.address, token=listener.token,
