@@ -49,7 +49,9 @@ from typing import Final
 #: The roles a token can grant.
 ROLES: Final = ("ingest", "view", "control")
 #: The key role each ``hello`` role authenticates with.
-HELLO_ROLES: Final = {"rank": "ingest", "viewer": "view", "control": "control"}
+#: A relay (``rtop relay``: a node's ranks over one connection) holds the ingest token.
+HELLO_ROLES: Final = {"rank": "ingest", "viewer": "view", "control": "control",
+                      "relay": "ingest"}
 #: The handshake this module speaks (a hello says it as ``"auth"``).
 VERSION: Final = 2
 #: Bytes of a fresh nonce; a peer's nonce must have at least this many.

@@ -28,6 +28,10 @@
   whose ``seq`` it already holds), then the ones not started. At most
   ``max_unsent_bytes`` of them are kept; beyond that the oldest are let go unconfirmed
   (``unconfirmed_records``: most of them did arrive);
+* in a large job, connects through its node's relay (:mod:`collectors.discovery`), a
+  byte multiplexer: the conversation above is the same, with the hub. Every third try
+  in a row that did not get in (a relay that cannot reach the hub, or is stuck) goes to
+  the hub directly, so a relay never keeps a rank out;
 * on :meth:`finish`, sends what it can before a deadline, then a ``bye``; what no hub
   took by then (and the ``bye``) goes to the rank's spool file (:mod:`collectors.spool`)
   for a later hub or ``rtop report``, unless ``spool`` is off.
@@ -135,6 +139,10 @@ class HubConnection:
         self._backoff = config.backoff_initial_s
         self._finishing = False
         self._hub_known = False  # a hub was found (configured or discovered), reachable or not
+        #: tries in a row that did not get in (welcomed); every third goes to the hub
+        #: directly rather than through the node's relay
+        self._misses = 0
+        self._welcomed = False  # this socket got in
         #: The welcome's payload (the hub's clock and facts), once welcomed.
         self.hub_info: dict[str, Any] = {}
         # counters (monotonic; read from other threads without locking)
@@ -311,7 +319,8 @@ class HubConnection:
         allow_spawn = not self._finishing
         if self._resolve is not None:
             return self._resolve(allow_spawn)
-        return resolve(self._identity, self._cfg.hub, self._cfg.token, allow_spawn=allow_spawn)
+        return resolve(self._identity, self._cfg.hub, self._cfg.token, allow_spawn=allow_spawn,
+                       relay=self._misses % 3 != 2)
 
     def _connect(self, now: float, timeout: float) -> None:
         try:
@@ -336,6 +345,7 @@ class HubConnection:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             self.connect_failures += 1
+            self._misses += 1
             self._once(
                 f"connect-{host}:{port}", logging.INFO,
                 "rtop: hub %s:%s not reachable (%s); training continues, retrying", host, port,
@@ -351,6 +361,7 @@ class HubConnection:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
                                 self._cfg.send_buffer_bytes)
         self._sock = sock
+        self._welcomed = False
         self._decoder = wire.FrameDecoder(wire.UNPROVEN_HUB_FRAME_BYTES)
         self._key, self._nonce, self._peer = key, auth.new_nonce(), f"{host}:{port}"
         self.state = ConnState.HELLO
@@ -380,6 +391,8 @@ class HubConnection:
 
     def _close_socket(self, requeue: bool = True) -> None:
         sock, self._sock = self._sock, None
+        if sock is not None and not self._welcomed:
+            self._misses += 1
         self.state = ConnState.DOWN
         self._key = None
         if sock is not None:
@@ -517,6 +530,7 @@ class HubConnection:
             return
         self._decoder.max_bytes = wire.RANK_FRAME_BYTES
         self.state = ConnState.UP
+        self._welcomed, self._misses = True, 0
         self.connects += 1
         self._backoff = self._cfg.backoff_initial_s
         self.hub_info.update({k: v for k, v in frame.payload.items() if k != "proof"})

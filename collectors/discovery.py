@@ -17,6 +17,21 @@ In order:
    token (all a rank needs); the master token, for viewers and actions, is in a
    private file beside it (:func:`hub_key_path`), which ranks never read.
 
+**Relays.** A job of ``RTOP_RELAY_MIN_WORLD`` ranks or more (:data:`RELAY_MIN_WORLD`,
+256; ``RTOP_RELAY=0``: never) whose hub is named (``RTOP_HUB``) sends through one relay
+per node and job (``rtop relay``, :mod:`rtop.hub.relay`): a byte multiplexer on
+loopback that carries the node's ranks to the hub over one connection. The rank speaks
+to the hub through it exactly as it would directly (the same handshake, token and
+acknowledgements), so this module only picks where to connect: the relay of
+``relay-<job>-<node>-<hub>.json`` in the runtime directory (same checks as a hub's file,
+and its process must be alive), started by the first rank to take the lock beside it
+(its own process, in a session of its own; the token reaches it through its
+environment, never its command line). A relay the hub refused leaves a ``.off`` marker
+beside its file: for :data:`RELAY_OFF_S` the node's ranks go to the hub directly, as
+they do whenever the relay cannot be found or started, and as every third try of a
+rank that did not get in through it does (``relay=False``, from
+:mod:`collectors.connection`).
+
 **The runtime directory** is ``$XDG_RUNTIME_DIR/rtop`` when that base is the user's own,
 else ``/tmp/rtop-<uid>``. Anyone can create ``/tmp/rtop-<uid>`` first (a directory of
 theirs, or a link): then rtop says so, with the owner's uid, and goes to an
@@ -60,6 +75,13 @@ HubAddress = tuple[str, int, "str | None"]
 RAY_NAMESPACE = "rtop"
 _warned: set[str] = set()
 SPAWN_WAIT_S = 15.0
+#: A job of this many ranks or more sends through a relay per node (when its hub is
+#: named); ``RTOP_RELAY_MIN_WORLD`` sets it, ``RTOP_RELAY=0`` turns relays off.
+RELAY_MIN_WORLD = 256
+#: How long the ranks of a node go to the hub directly after its relay was refused.
+RELAY_OFF_S = 600.0
+#: How long the first rank waits for the relay it started to listen.
+RELAY_SPAWN_WAIT_S = 10.0
 
 
 #: Where the runtime directory goes when ``$XDG_RUNTIME_DIR`` is unset or unusable.
@@ -402,6 +424,14 @@ def hub_command(key: str, path: Path) -> list[str]:
             "--discovery-file", str(path)]
 
 
+def relay_command(path: Path, hub: str, node: str, job: str) -> list[str]:
+    """The command that starts this node's relay (``rtop relay``) for the hub at
+    ``hub``, which writes its address to the discovery file ``path``. The token goes
+    in its environment (``RTOP_TOKEN``), never here."""
+    return [sys.executable, "-m", "rtop", "relay", "--hub", hub, "--node", node, "--job",
+            job, "--discovery-file", str(path)]
+
+
 def ray_hub_actor_class() -> type:
     """The class of the Ray actor that runs a job's hub (``rtop.hub.ray_actor``).
 
@@ -476,6 +506,115 @@ def _spawn_local_hub(key: str, path: Path, rdir: Path) -> dict[str, Any] | None:
     return None
 
 
+# ---- the node's relay -----------------------------------------------------------------
+
+
+def relay_wanted(identity: Identity) -> bool:
+    """Whether this rank's job is large enough to send through a relay per node."""
+    if os.environ.get("RTOP_RELAY", "1").lower() in ("0", "false", "no"):
+        return False
+    raw = os.environ.get("RTOP_RELAY_MIN_WORLD", "")
+    try:
+        least = int(raw) if raw.strip() else RELAY_MIN_WORLD
+    except ValueError:
+        _warn_once("relay-min", "rtop: RTOP_RELAY_MIN_WORLD=%r is not a number; using %d",
+                   raw, RELAY_MIN_WORLD)
+        least = RELAY_MIN_WORLD
+    return identity.world_size >= max(least, 1)
+
+
+def relay_file_path(rdir: Path, identity: Identity, hub: str) -> Path:
+    """Where the relay of this rank's job and node for the hub at ``hub`` leaves its
+    discovery file: ``relay-<job>-<node>-<hub>.json``, every part made safe."""
+    host, port = parse_address(hub)
+    key = safe_name(f"{job_key(identity)}-{identity.hostname}-{host}-{port}", max_len=160)
+    return rdir / f"relay-{key}.json"
+
+
+def relay_off_path(path: Path) -> Path:
+    """The marker a relay leaves beside its discovery file (``path``) when the hub
+    refused it: the node's ranks go to the hub directly for :data:`RELAY_OFF_S`."""
+    return path.with_suffix(".off")
+
+
+def node_relay(identity: Identity, hub: str, token: str | None, spawn: bool = True
+               ) -> HubAddress | None:
+    """This node's relay to the hub at ``hub`` (``host:port``), started by the first
+    rank to ask if need be; None when there is none to use (then the rank connects to
+    the hub itself). Never raises."""
+    if not token:
+        return None  # a relay, like a rank, needs the token
+    try:
+        return _node_relay(identity, hub, token, spawn)
+    except Exception as exc:
+        _warn_once(f"relay:{exc}", "rtop: no relay on this node (%s); connecting to the "
+                   "hub directly", exc)
+        return None
+
+
+def _node_relay(identity: Identity, hub: str, token: str, spawn: bool
+                ) -> HubAddress | None:
+    rdir = runtime_dir()
+    path = relay_file_path(rdir, identity, hub)
+    off = _read_private_map(relay_off_path(path))
+    t_off = off.get("t") if off is not None else None
+    if isinstance(t_off, (int, float)) and 0 <= time.time() - t_off < RELAY_OFF_S:
+        _warn_once(f"relay-off:{path}", "rtop: this node's relay was refused by the hub "
+                   "(%s); connecting to the hub directly", str(off.get("why"))[:200]
+                   if off is not None else "")
+        return None
+    info = _relay_info(path, hub)
+    if info is None and spawn:
+        import fcntl
+
+        lock = open_private(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the other ranks of the node wait here
+            info = _relay_info(path, hub)
+            if info is None:
+                info = _spawn_relay(identity, path, hub, token)
+        finally:
+            os.close(lock)
+    if info is None:
+        return None
+    host, port = parse_address(info["address"])
+    return host, port, token
+
+
+def _relay_info(path: Path, hub: str) -> dict[str, Any] | None:
+    """The relay's file, if it names a live relay for ``hub``."""
+    info = read_hub_file(path)
+    return info if info is not None and info.get("hub") == hub else None
+
+
+def _spawn_relay(identity: Identity, path: Path, hub: str, token: str
+                 ) -> dict[str, Any] | None:
+    cmd = relay_command(path, hub, identity.hostname, job_key(identity))
+    log.info("rtop: starting this node's relay to the hub at %s", hub)
+    env = {k: v for k, v in os.environ.items() if k != "RTOP_TOKEN_FILE"}
+    env["RTOP_TOKEN"] = token
+    out = open_private(path.with_suffix(".log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                         start_new_session=True, close_fds=True)
+    except OSError as exc:
+        log.warning("rtop: could not start this node's relay (%s); connecting to the hub "
+                    "directly", exc)
+        return None
+    finally:
+        os.close(out)
+    deadline = time.monotonic() + RELAY_SPAWN_WAIT_S
+    while time.monotonic() < deadline:
+        info = _relay_info(path, hub)
+        if info is not None:
+            return info
+        time.sleep(0.05)
+    log.warning("rtop: this node's relay did not start within %.0f s (see %s); "
+                "connecting to the hub directly", RELAY_SPAWN_WAIT_S,
+                path.with_suffix(".log"))
+    return None
+
+
 def ray_actor_name(identity: Identity) -> str:
     """The hub actor's name for this Ray Train run."""
     return f"rtop-hub-{job_key(identity)}"
@@ -512,10 +651,16 @@ def ray_hub(identity: Identity, create: bool = True, token: str | None = None
 
 
 def resolve(identity: Identity, hub: str | None, token: str | None,
-            allow_spawn: bool = True) -> HubAddress | None:
-    """Where this rank's hub is: explicit address, Ray actor, or the node-local hub."""
+            allow_spawn: bool = True, relay: bool = True) -> HubAddress | None:
+    """Where this rank's hub is: explicit address (through the node's relay in a large
+    job, unless ``relay`` is False), Ray actor, or the node-local hub."""
     if hub:
         host, port = parse_address(hub)
+        if relay and relay_wanted(identity):
+            found = node_relay(identity, f"{host}:{port}" if ":" not in host
+                               else f"[{host}]:{port}", token, spawn=allow_spawn)
+            if found is not None:
+                return found
         return host, port, token
     if os.environ.get("RTOP_AUTOHUB", "1").lower() in ("0", "false", "no"):
         return None

@@ -21,7 +21,8 @@ until a peer has proved itself: a hub reads
 
 A connection starts with the handshake of :mod:`collectors.auth` (``hello``,
 ``challenge``, ``auth``, ``welcome``); no token ever travels. Each role may then send
-only its own kinds (``RANK_KINDS``, ``VIEWER_KINDS``, ``CONTROL_KINDS``).
+only its own kinds (``RANK_KINDS``, ``VIEWER_KINDS``, ``CONTROL_KINDS``,
+``RELAY_KINDS``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ KIND_ACK: Final = "ack"
 # Viewer <-> hub
 KIND_SNAPSHOT: Final = "snapshot"
 KIND_REQUEST: Final = "request"
+# Relay <-> hub (rtop.hub.relay, rtop.hub.relayed): a node's ranks over one connection
+#: relay -> hub: the bytes each of its ranks sent, as sent, per stream, and the streams
+#: that opened and closed since the last one
+KIND_RELAY: Final = "relay"
+#: hub -> relay: the bytes for each stream (the hub's frames to that rank), streams to close
+KIND_DOWN: Final = "down"
 # Recording only
 KIND_RUN: Final = "run"  # first frame of a recording: what wrote it and when
 KIND_CLOCK: Final = "clock"  # the hub's time, written to a recording every cycle
@@ -77,6 +84,8 @@ RANK_KINDS: Final = frozenset({KIND_HELLO, KIND_BATCH, KIND_PONG, KIND_BYE, KIND
 VIEWER_KINDS: Final = frozenset({KIND_REQUEST})
 #: What an authenticated control peer may send: a viewer's kinds and control frames.
 CONTROL_KINDS: Final = VIEWER_KINDS | {KIND_CONTROL}
+#: What an authenticated relay may send: its ranks' bytes, and pongs to the hub's pings.
+RELAY_KINDS: Final = frozenset({KIND_RELAY, KIND_PONG})
 
 
 class WireError(ValueError):

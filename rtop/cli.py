@@ -14,6 +14,7 @@ from typing import Any
 
 from collectors.figures import figures
 from rtop import __version__
+from rtop import export as export_command
 from rtop.fmt import fixed, fmt_ranks
 from rtop.run.snapshot import Snapshot
 
@@ -147,6 +148,26 @@ def build_parser() -> argparse.ArgumentParser:
                             "the same node come first (default: 10 for the hub that the "
                             "collectors start on their node, else 0)")
 
+    relay = sub.add_parser(
+        "relay", help="carry this node's ranks to a job's hub over one connection",
+        description="Listen on loopback for this node's ranks and carry them to the hub "
+                    "over one connection, their bytes merged into one frame per "
+                    "interval (see rtop/hub/relay.py). The first rank of a large job "
+                    "starts it by itself; needs the hub's ingest (or master) token.")
+    relay.add_argument("--hub", default=os.environ.get("RTOP_HUB"), metavar="HOST:PORT",
+                       help="the job's hub (default: $RTOP_HUB)")
+    _add_token_args(relay, "none: give the hub's ingest token")
+    relay.add_argument("--node", default=None,
+                       help="the node it speaks for (default: $RTOP_NODE, else the hostname)")
+    relay.add_argument("--job", default="", help="the job's name")
+    relay.add_argument("--port", type=int, default=0, help="loopback port (default: any)")
+    relay.add_argument("--interval", type=float, default=0.25, metavar="S",
+                       help="forward what the ranks sent at least every S seconds "
+                            "(default 0.25)")
+    relay.add_argument("--linger", type=float, default=60.0, metavar="S",
+                       help="exit S seconds after the last rank left (default 60)")
+    relay.add_argument("--discovery-file", default=None, help=argparse.SUPPRESS)
+
     report = sub.add_parser("report", help="summarise a recorded run")
     report.add_argument("run", help="a recording (.rtop); may still be being written")
     report.add_argument("--json", action="store_true", help="print JSON")
@@ -158,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not look for this run's spools in the runtime directory")
     report.add_argument("--thresholds", default=None, metavar="FILE",
                         help="JSON file of diagnosis thresholds")
+    export_command.add_parser(sub)
 
     status = sub.add_parser("status", help="print the ranks of a live job once")
     status.add_argument("address", nargs="?", help="hub host:port (default: discover)")
@@ -282,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rtop`` console script."""
     args = build_parser().parse_args(argv)
-    level = logging.INFO if args.command == "serve" else logging.WARNING
+    level = logging.INFO if args.command in ("serve", "relay") else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         return _run(args)
@@ -421,6 +443,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"rtop serve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    """``rtop relay --hub HOST:PORT``: this node's relay, until its ranks are gone."""
+    import socket
+
+    from rtop.hub.relay import RelayConfig, serve
+
+    if not args.hub:
+        raise UsageError("--hub HOST:PORT (or RTOP_HUB) names the job's hub")
+    token = resolve_token(args)
+    if not token:
+        raise UsageError("the hub's ingest (or master) token: RTOP_TOKEN or --token-file")
+    node = args.node or os.environ.get("RTOP_NODE") or socket.gethostname()
+    try:
+        cfg = RelayConfig(hub=args.hub, token=token, node=node, job=args.job,
+                          port=args.port, interval_s=args.interval,
+                          linger_s=args.linger if args.linger > 0 else None,
+                          discovery_file=Path(args.discovery_file) if args.discovery_file
+                          else None)
+        return asyncio.run(serve(cfg, lambda relay: print(
+            f"rtop relay {relay.address} for node {node} -> hub {args.hub}", flush=True)))
+    except (OSError, ValueError) as exc:
+        print(f"rtop relay: {exc}", file=sys.stderr)
+        return 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -639,10 +686,10 @@ def format_snapshot(snap: Snapshot) -> str:
 
 #: The subcommands that are one function of their arguments (:func:`_run`).
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "serve": cmd_serve, "report": cmd_report, "status": cmd_status,
+    "serve": cmd_serve, "relay": cmd_relay, "report": cmd_report, "status": cmd_status,
     "list": lambda _: cmd_list(), "spool": cmd_spool, "token": cmd_token,
     "profile": cmd_action, "probe": cmd_action, "stacks": cmd_action,
-    "attach": cmd_attach, "replay": cmd_replay,
+    "attach": cmd_attach, "replay": cmd_replay, "export": export_command.main,
 }
 
 

@@ -1,6 +1,6 @@
 """The hub: an asyncio TCP server where every rank's stream meets.
 
-One port serves four kinds of peer, told apart by what they send first:
+One port serves five kinds of peer, told apart by what they send first:
 
 * ranks: ``hello`` (``role: rank``, identity, clock) then, once authenticated,
   ``batch`` frames, answered with a ``welcome`` and, now and then, a ``ping`` whose
@@ -9,6 +9,9 @@ One port serves four kinds of peer, told apart by what they send first:
   window), as often as they like: the hub answers each, and skips the answers of a viewer
   that does not read (``viewer_high_water``);
 * control peers: ``hello`` with ``role: control``: a viewer's frames and ``control``;
+* relays: ``hello`` with ``role: relay`` and its node, then ``relay`` frames that carry
+  the node's ranks, each an ordinary rank connection to the hub
+  (:mod:`rtop.hub.relayed`);
 * Prometheus: an HTTP ``GET /metrics`` with ``Authorization: Bearer <view token>``
   (:mod:`rtop.hub.http`).
 
@@ -81,6 +84,7 @@ from rtop.hub import http
 from rtop.hub.admission import Admission, Bucket, PeerLog, addr_group, is_loopback
 from rtop.hub.control import Actions, default_profile_dir
 from rtop.hub.recorder import Recorder, default_record_path
+from rtop.hub.relayed import RelayLink, RelayLinks
 from rtop.hub.spool import SpoolIngest
 from rtop.run.snapshot import HubInfo, RankDetail, Snapshot
 from rtop.run.state import KIND_JOB_EXIT, KIND_LINKS, MAX_RANKS, RankState, RunState
@@ -167,6 +171,7 @@ class _Conn(asyncio.Protocol):
         self.expect = b""  # the proof its auth must carry
         self.welcome_proof = b""  # the hub's proof, sent in the welcome once it has
         self.slot: tuple[str, int] | None = None  # (group, rank) this connection holds
+        self.via: RelayLink | None = None  # the relay this rank's connection comes through
         self.instance = b""  # the rank process's secret, from its hello
         self.replaced = False  # its rank process came back on a newer connection
         self.alive_by: float | None = None  # must show it is alive by then (see _claim)
@@ -318,7 +323,7 @@ class Hub:
         self._closed = asyncio.Event()
         self._closing: asyncio.Task[None] | None = None
         self._idle_since: float | None = None
-        self._peer_log = PeerLog(self.cfg.log_every_s, self.cfg.log_summary_s)
+        self.peer_log = PeerLog(self.cfg.log_every_s, self.cfg.log_summary_s)
         self.address = ""
         self.counters = {"connections": 0, "refused": 0, "bad_frames": 0, "floods": 0,
                          "silent": 0, "snapshots_skipped": 0, "snapshots_sent": 0,
@@ -326,8 +331,12 @@ class Hub:
                          "throttled": 0, "http_timeouts": 0, "duplicate_batches": 0,
                          "internal_errors": 0, "rank_taken": 0, "rank_replaced": 0,
                          "dead_connections": 0, "evicted": 0}
+        self.counters.update(relays=0, relay_taken=0, relay_foreign=0, relay_streams=0,
+                             relay_streams_refused=0)
         #: who may connect, and what a connection may hold before it authenticates
-        self.admission = Admission(self.cfg, self.counters, self._peer_log)
+        self.admission = Admission(self.cfg, self.counters, self.peer_log)
+        #: the node relays connected, each carrying its node's ranks (rtop.hub.relayed)
+        self.relays = RelayLinks(self)
 
     def role_token(self, role: str) -> str:
         """The token of a role (``ingest``, ``view``, ``control``) for this hub."""
@@ -441,13 +450,13 @@ class Hub:
             if conn.role is None and not conn.spoke and mono - conn.opened > \
                     cfg.hello_timeout_s:
                 self.counters["silent"] += 1
-                self._peer_log(conn.addr, "rtop hub: %r connected and never spoke within "
-                               "%.0f s; closed", conn.who, cfg.hello_timeout_s)
+                self.peer_log(conn.addr, "rtop hub: %r connected and never spoke within "
+                              "%.0f s; closed", conn.who, cfg.hello_timeout_s)
                 conn.close()
             elif conn.role == "http" and mono - conn.opened > cfg.http_deadline_s:
                 self.counters["http_timeouts"] += 1
-                self._peer_log(conn.addr, "rtop hub: HTTP request from %r not complete "
-                               "within %.0f s; closed", conn.who, cfg.http_deadline_s)
+                self.peer_log(conn.addr, "rtop hub: HTTP request from %r not complete "
+                              "within %.0f s; closed", conn.who, cfg.http_deadline_s)
                 conn.close()
             elif conn.partial_since is not None and mono - conn.partial_since > \
                     cfg.frame_timeout_s:
@@ -456,18 +465,18 @@ class Hub:
                     f"within {cfg.frame_timeout_s:.0f} s"))
             elif conn.role is None and mono - conn.opened > cfg.auth_timeout_s:
                 self.counters["unauthenticated_timeouts"] += 1
-                self._peer_log(conn.addr, "rtop hub: %r did not authenticate within %.0f s; "
-                               "closed", conn.who, cfg.auth_timeout_s)
+                self.peer_log(conn.addr, "rtop hub: %r did not authenticate within %.0f s; "
+                              "closed", conn.who, cfg.auth_timeout_s)
                 conn.close()
             elif conn.alive_by is not None and mono >= conn.alive_by:
                 if conn.last > conn.alive_asked:
                     conn.alive_by = None  # it is alive: the claim stays refused
                 else:
                     self.counters["dead_connections"] += 1
-                    log.warning("rtop hub: rank %s's connection (%r) sent nothing for "
-                                "%.0f s once another connection claimed the rank; closed "
-                                "as dead", conn.rank.rank if conn.rank else "?", conn.who,
-                                TAKEN_LIVENESS_S)
+                    log.warning("rtop hub: %s's connection (%r) sent nothing for %.0f s "
+                                "once another connection claimed its place; closed as "
+                                "dead", f"rank {conn.rank.rank}" if conn.rank else
+                                f"the {conn.role}", conn.who, TAKEN_LIVENESS_S)
                     conn.close()
             elif conn.role == "rank" and mono - conn.last > cfg.idle_timeout_s:
                 log.warning("rtop hub: rank %s (%r) sent nothing for %.0f s; closed",
@@ -478,6 +487,7 @@ class Hub:
                 self._ping(conn, now)
         self.admission.tick(mono)
         self.actions.tick(mono)
+        self.relays.tick(mono)
         if self.spools is not None:
             self.spools.tick(mono)
         evaluation = self.monitor.advance(now)
@@ -539,6 +549,14 @@ class Hub:
                 self._rank_frame(conn, raw, frame)
             else:
                 self._forbidden(conn, frame.kind)
+        elif role == "relay":
+            if frame.kind not in wire.RELAY_KINDS:
+                self._forbidden(conn, frame.kind)
+                return
+            try:
+                self.relays.frame(conn, frame)
+            except ProtocolError as exc:  # the relay's frame itself, not a rank's
+                self._bad(conn, exc)
         elif role in ("viewer", "control"):
             allowed = wire.VIEWER_KINDS if role == "viewer" else wire.CONTROL_KINDS
             if frame.kind in allowed:
@@ -546,7 +564,9 @@ class Hub:
             else:
                 self._forbidden(conn, frame.kind)
 
-    def _refuse(self, conn: _Conn, code: str, message: str) -> None:
+    def refuse(self, conn: _Conn, code: str, message: str) -> None:
+        """Tell ``conn`` why it is refused (an ``error`` frame with ``code``), and close
+        it."""
         conn.send(wire.KIND_ERROR, {"code": code, "message": message})
         conn.close()
 
@@ -560,10 +580,10 @@ class Hub:
         nonce = p.get("nonce")
         if not isinstance(role, str) or role not in self._keys:
             self.counters["refused"] += 1
-            self._peer_log(conn.addr, "rtop hub: %r said hello with an unknown role %r; "
-                           "refused", conn.who, clip(role))
-            self._refuse(conn, "role", f"unknown role {clip(role, 40)!r} (rank, viewer "
-                                       "or control)")
+            self.peer_log(conn.addr, "rtop hub: %r said hello with an unknown role %r; "
+                          "refused", conn.who, clip(role))
+            self.refuse(conn, "role", f"unknown role {clip(role, 40)!r} (rank, viewer, "
+                                     "control or relay)")
             return
         if not isinstance(nonce, bytes) or not auth.valid_nonce(nonce) \
                 or p.get("auth") != auth.VERSION:
@@ -571,12 +591,12 @@ class Hub:
             why = "sent its token in the clear" if "token" in p else (
                 "sent no valid nonce" if not isinstance(nonce, bytes)
                 or not auth.valid_nonce(nonce) else "speaks an older handshake")
-            self._peer_log(conn.addr, "rtop hub: %r (a %s) %s: an older rtop? refused",
-                           conn.who, role, why)
-            self._refuse(conn, "protocol", f"this hub authenticates by challenge-response "
-                                           f"version {auth.VERSION} (the peer proves "
-                                           f"first; never the token): upgrade rtop on "
-                                           f"this side")
+            self.peer_log(conn.addr, "rtop hub: %r (a %s) %s: an older rtop? refused",
+                          conn.who, role, why)
+            self.refuse(conn, "protocol", f"this hub authenticates by challenge-response "
+                                          f"version {auth.VERSION} (the peer proves "
+                                          f"first; never the token): upgrade rtop on "
+                                          f"this side")
             return
         key = self._keys[role]
         hub_nonce = auth.new_nonce()
@@ -585,7 +605,7 @@ class Hub:
         # the hub proves itself only in the welcome, to a peer that has proved itself:
         # whoever merely connects learns nothing to test guesses at the token against
         conn.welcome_proof = auth.hub_proof(key, role, nonce, hub_nonce)
-        if role == "rank":
+        if role in ("rank", "relay"):
             conn.hello = p
         conn.send(wire.KIND_CHALLENGE, {"nonce": hub_nonce})
 
@@ -600,9 +620,9 @@ class Hub:
         assert role is not None
         if not auth.check(conn.expect, frame.payload.get("proof")):
             self.admission.failed(conn)
-            self._peer_log(conn.addr, "rtop hub: %r (a %s) presented a wrong token; "
-                           "refused", conn.who, role)
-            self._refuse(conn, "token", "wrong token")
+            self.peer_log(conn.addr, "rtop hub: %r (a %s) presented a wrong token; "
+                          "refused", conn.who, role)
+            self.refuse(conn, "token", "wrong token")
             return
         self.admission.release(conn)
         conn.dec.max_bytes = self.cfg.max_frame_bytes
@@ -610,6 +630,10 @@ class Hub:
         if role == "rank":
             hello, conn.hello = conn.hello or {}, None
             self._rank_frame(conn, b"", wire.Frame(wire.KIND_HELLO, hello))
+        elif role == "relay":
+            hello, conn.hello = conn.hello or {}, None
+            if self.relays.attach(conn, hello):
+                self._welcome(conn)
         else:
             self._welcome(conn)
 
@@ -624,17 +648,17 @@ class Hub:
         log.error("rtop hub: handling a %r frame from %r failed; that connection is "
                   "closed", clip(kind), conn.who, exc_info=exc)
         with contextlib.suppress(Exception):
-            self._refuse(conn, "internal", "the hub could not handle that frame")
+            self.refuse(conn, "internal", "the hub could not handle that frame")
         conn.close()
 
     def _forbidden(self, conn: _Conn, kind: str) -> None:
         self.counters["forbidden"] += 1
         self.state.bad_frames += 1
         who = f"rank {conn.rank.rank} ({conn.who})" if conn.rank else conn.who
-        self._peer_log(conn.addr, "rtop hub: %r, a %s, sent a %r frame, which it may not "
-                       "send; refused, connection closed", who, conn.role, clip(kind))
-        self._refuse(conn, "forbidden", f"a {conn.role} may not send {clip(kind, 40)!r} "
-                                        "frames")
+        self.peer_log(conn.addr, "rtop hub: %r, a %s, sent a %r frame, which it may not "
+                      "send; refused, connection closed", who, conn.role, clip(kind))
+        self.refuse(conn, "forbidden", f"a {conn.role} may not send {clip(kind, 40)!r} "
+                                       "frames")
 
     def _rank_frame(self, conn: _Conn, raw: bytes, frame: wire.Frame) -> None:
         now = time.time()
@@ -655,6 +679,8 @@ class Hub:
             if conn.rank is not None:
                 self._bad(conn, ProtocolError("one connection is one rank: it says hello "
                                               "once, and its identity cannot change"))
+                return
+            if conn.via is not None and not conn.via.speaks_for(conn, frame.payload):
                 return
             if not self._claim(conn, frame.payload):
                 return
@@ -682,11 +708,11 @@ class Hub:
                          rs.rank, rs.identity.world_size, clip(rs.node), rs.attempt,
                          conn.who)
             else:
-                self._peer_log(conn.addr, "rtop hub: rank %d of %d (%r, job %r, group %r) "
-                               "connected from %r while another attempt runs: kept apart "
-                               "until that one ends (another job on this hub, or a stray "
-                               "rank)", rs.rank, rs.identity.world_size, clip(rs.node),
-                               clip(rs.identity.job), clip(rs.identity.group), conn.who)
+                self.peer_log(conn.addr, "rtop hub: rank %d of %d (%r, job %r, group %r) "
+                              "connected from %r while another attempt runs: kept apart "
+                              "until that one ends (another job on this hub, or a stray "
+                              "rank)", rs.rank, rs.identity.world_size, clip(rs.node),
+                              clip(rs.identity.job), clip(rs.identity.group), conn.who)
         elif frame.kind == wire.KIND_BYE:
             conn.clean = True
             if rs is not None and rs.last_seq is not None:
@@ -726,19 +752,25 @@ class Hub:
             old.close()
             return True
         self.counters["rank_taken"] += 1
-        mono = time.monotonic()
-        if old.alive_by is None:
-            old.alive_by, old.alive_asked = mono + TAKEN_LIVENESS_S, mono
-            self._ping(old, time.time())
-        self._peer_log(conn.addr, "rtop hub: %r claims rank %d of group %r, which %r "
-                       "holds; refused (the holder must show it is alive within %.0f s)",
-                       conn.who, ident.rank, clip(slot[0]), old.who, TAKEN_LIVENESS_S)
-        self._refuse(conn, "rank_taken",
-                     f"rank {ident.rank} of group {clip(slot[0], 60)!r} is connected "
-                     f"already; a second connection for it is refused (if the first is "
-                     f"dead, the hub closes it within {TAKEN_LIVENESS_S:.0f} s and the "
-                     f"next try gets in)")
+        self.ask_alive(old)
+        self.peer_log(conn.addr, "rtop hub: %r claims rank %d of group %r, which %r "
+                      "holds; refused (the holder must show it is alive within %.0f s)",
+                      conn.who, ident.rank, clip(slot[0]), old.who, TAKEN_LIVENESS_S)
+        self.refuse(conn, "rank_taken",
+                    f"rank {ident.rank} of group {clip(slot[0], 60)!r} is connected "
+                    f"already; a second connection for it is refused (if the first is "
+                    f"dead, the hub closes it within {TAKEN_LIVENESS_S:.0f} s and the "
+                    f"next try gets in)")
         return False
+
+    def ask_alive(self, holder: _Conn) -> None:
+        """Another connection claims ``holder``'s place (its rank, or its node for a
+        relay): it must show it is alive within :data:`TAKEN_LIVENESS_S` (it is pinged
+        now), else housekeeping closes it as dead."""
+        mono = time.monotonic()
+        if holder.alive_by is None:
+            holder.alive_by, holder.alive_asked = mono + TAKEN_LIVENESS_S, mono
+            self._ping(holder, time.time())
 
     def _take_slot(self, conn: _Conn, rs: RankState) -> None:
         """``conn`` now holds its rank (see :meth:`_claim`)."""
@@ -748,16 +780,16 @@ class Hub:
     def _bad(self, conn: _Conn, exc: Exception) -> None:
         self.counters["bad_frames"] += 1
         self.state.bad_frames += 1
-        self._peer_log(conn.addr, "rtop hub: bad frame from %r: %r; connection closed",
-                       conn.who, clip(exc))
-        self._refuse(conn, "bad_frame", clip(exc, 200))
+        self.peer_log(conn.addr, "rtop hub: bad frame from %r: %r; connection closed",
+                      conn.who, clip(exc))
+        self.refuse(conn, "bad_frame", clip(exc, 200))
 
     def _flood(self, conn: _Conn) -> None:
         self.counters["floods"] += 1
         who = f"rank {conn.rank.rank} ({conn.who})" if conn.rank else conn.who
-        self._peer_log(conn.addr, "rtop hub: %r floods the hub (over %.0f MB/s or %.0f "
-                       "frames/s); connection closed", who, self.cfg.flood_bytes_per_s / 1e6,
-                       self.cfg.flood_frames_per_s)
+        self.peer_log(conn.addr, "rtop hub: %r floods the hub (over %.0f MB/s or %.0f "
+                      "frames/s); connection closed", who, self.cfg.flood_bytes_per_s / 1e6,
+                      self.cfg.flood_frames_per_s)
         conn.close()
 
     def _lost(self, conn: _Conn, exc: Exception | None = None) -> None:
@@ -772,7 +804,9 @@ class Hub:
         elif holder is not None:
             conn.replaced = True  # its rank is held by a newer connection already
         try:
-            if conn.role == "control":
+            if conn.role == "relay":
+                self.relays.lost(conn)
+            elif conn.role == "control":
                 self.actions.peer_lost(conn)
             elif conn.role == "rank" and conn.rank is not None:
                 self.actions.rank_lost(conn, conn.rank.rank)
@@ -1003,8 +1037,8 @@ class Hub:
         try:
             request = http.parse_head(bytes(conn.http))
         except http.RequestTooLarge:
-            self._peer_log(conn.addr, "rtop hub: oversized HTTP request from %r; closed",
-                           conn.who)
+            self.peer_log(conn.addr, "rtop hub: oversized HTTP request from %r; closed",
+                          conn.who)
             conn.close()
             return
         if request is None:
@@ -1015,15 +1049,15 @@ class Hub:
         if not hmac.compare_digest(presented, self._view_token):
             acting = any(hmac.compare_digest(presented, tok) for tok in self._acting_tokens)
             if acting:  # a token that can act must never sit in a scraper's config
-                self._peer_log(conn.addr, "rtop hub: HTTP request from %r with a token that "
-                               "can act, not the view token; refused", conn.who)
+                self.peer_log(conn.addr, "rtop hub: HTTP request from %r with a token that "
+                              "can act, not the view token; refused", conn.who)
                 t.write(http.response("403 Forbidden", b"/metrics takes the hub's view token "
                                       b"(rtop-view-...), never a token that can act on the "
                                       b"job\n", "text/plain"))
             else:
                 self.admission.failed(conn)
-                self._peer_log(conn.addr, "rtop hub: HTTP request from %r without the view "
-                               "token; refused", conn.who)
+                self.peer_log(conn.addr, "rtop hub: HTTP request from %r without the view "
+                              "token; refused", conn.who)
                 t.write(http.response("401 Unauthorized"))
         elif request.path != "/metrics":
             t.write(http.response("404 Not Found"))
