@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rtop", "rtop.fmt", "rtop.run"),
     ("rtop.analysis",),
     ("rtop.hub",),
-    ("rtop.client", "rtop.report", "rtop.discovery", "rtop.actions",
+    ("rtop.client", "rtop.report", "rtop.export", "rtop.discovery", "rtop.actions",
      # a simulated fleet written as a recording (the hub's recorder), and how right the
      # diagnosis was on it: tools for tests and benchmarks, like the report
      "rtop.fleetsim", "rtop.fleetscore"),
