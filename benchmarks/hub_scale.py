@@ -42,6 +42,17 @@ ramp finds the highest rate it sustains, and the ingest rate once it is saturate
 rate is the growth of ``run.step_records`` in the hub's snapshots. Step rows are
 fixed-width msgpack filled from a numpy record array, so generators stay cheap.
 
+**Relays** (``--mode relays``, or ``both`` for the two side by side on fresh hubs):
+the ranks of each simulated node (8 a node) connect to their node's relay instead of
+the hub: a real :class:`rtop.hub.relay.Relay` each, with its own loopback listening
+socket and its own authenticated connection to the hub, forwarding its ranks' bytes in
+one ``relay`` frame per ``--relay-interval``. One process per node would be 2,048
+processes at 16,384 ranks, more than a small machine holds, so ``--relay-procs``
+processes each run their share of the relays on one event loop (separate objects,
+sockets and connections: nothing is shared but the process). The hub sees one
+connection per node; the relays' CPU is measured apart from the hub's and the
+generators'.
+
 Last, without sockets, in this process: what ``RunState.apply()`` costs per frame and
 ``snapshot()`` per call at full size, to split the hub's time between its state and
 its server. The hub's logs are scanned for floods, bad frames, lost ranks and errors.
@@ -50,6 +61,8 @@ Ctrl-C. On a small machine other processes compete for the same cores: the summa
 says how much CPU they took.
 
     python benchmarks/hub_scale.py [--ranks 4096] [--duration 30] [--procs 4]
+    python benchmarks/hub_scale.py --mode both --no-phase2        # direct vs relays
+    python benchmarks/hub_scale.py --ranks 16384 --mode relays --no-phase2
 """
 
 from __future__ import annotations
@@ -126,7 +139,8 @@ def identity(rank: int, world: int, group: str) -> dict[str, Any]:
 def hello_payload(rank: int, world: int, group: str, nonce: bytes = b"") -> dict[str, Any]:
     """The first frame of a rank, as collectors.connection writes it (no token: the
     handshake of collectors.auth proves it)."""
-    return {"role": "rank", "nonce": nonce, "identity": identity(rank, world, group),
+    return {"role": "rank", "nonce": nonce, "auth": auth.VERSION,
+            "identity": identity(rank, world, group),
             "clock": {"t_wall": time.time(), "t_mono": time.monotonic()},
             "collector": {"version": "0.1.0", "python": sys.version.split()[0],
                           "torch": "2.5.1", "dropped": 0}}
@@ -187,8 +201,9 @@ class RankStream:
         compute = step_s - data - exposed - gap
         algbw = COMM_BYTES / comm
         # STEP_FIELDS order (checked in check_frames)
+        # (collectives None: a DDP model's are all allreduces, in the step's own figures)
         step = [self.step, now - step_s, step_s, data, compute, compute * (0.95 + 0.04 * rnd()),
-                comm, exposed, COMM_BYTES, 112, algbw, algbw * self.bus, 16, gap]
+                comm, exposed, COMM_BYTES, 112, algbw, algbw * self.bus, 16, gap, None]
         payload: dict[str, Any] = {"rank": self.rank, "group": self.group, "seq": self.seq,
                                    "t_wall": now, "dropped": self.dropped, "steps": [step]}
         if with_samples:
@@ -215,9 +230,11 @@ class RankStream:
 # laid out by a numpy record dtype, so a batch of rows is filled by a few vector ops.
 _INT_FIELDS = {"step": "u4", "comm_bytes": "u8", "comm_calls": "u4", "samples": "u4"}
 _TAG = {"u4": 0xCE, "u8": 0xCF, "f8": 0xCB}
+_NUM_FIELDS = [f for f in STEP_FIELDS if f != "collectives"]  # collectives: nil (DDP)
 _ROW_DTYPE = np.dtype([("array", "u1")] + [
-    item for f in STEP_FIELDS
-    for item in ((f"{f}__tag", "u1"), (f, ">" + _INT_FIELDS.get(f, "f8")))])
+    item for f in _NUM_FIELDS
+    for item in ((f"{f}__tag", "u1"), (f, ">" + _INT_FIELDS.get(f, "f8")))]
+    + [("collectives", "u1")])
 
 
 def _array_header(n: int) -> bytes:
@@ -232,8 +249,9 @@ class FastStepBatches:
         self.rng = np.random.default_rng(rank)
         self.rows = np.zeros(rows, dtype=_ROW_DTYPE)
         self.rows["array"] = 0x90 | len(STEP_FIELDS)
-        for f in STEP_FIELDS:
+        for f in _NUM_FIELDS:
             self.rows[f"{f}__tag"] = _TAG[_INT_FIELDS.get(f, "f8")]
+        self.rows["collectives"] = 0xC0  # msgpack nil
         self.rows["comm_bytes"], self.rows["comm_calls"], self.rows["samples"] = COMM_BYTES, 112, 16
         self.n, self.bus, self.step, self.seq = rows, 2 * (world - 1) / world, 0, 0
         pk = msgpack.packb
@@ -332,6 +350,8 @@ class Generator:
         self.idx, self.o, self.c = idx, opts, Counters(counters, idx)
         self.flags, self.notes = flags, notes
         self.host, self.port = wire.parse_address(opts["address"])
+        #: in relay mode, each node's relay (by node number): its ranks connect there
+        self.relays = [wire.parse_address(a) for a in opts.get("relay_addrs") or []]
         self.stopping = False  # stop sending (flags["stop"])
         self.quitting = False  # say bye and leave (flags["quit"])
         self._ppid = os.getppid()
@@ -364,8 +384,10 @@ class Generator:
                 sock.setblocking(False)
                 if self.o.get("sndbuf"):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.o["sndbuf"])
+                target = self.relays[conn.rank // RANKS_PER_NODE] if self.relays else \
+                    (self.host, self.port)
                 try:
-                    await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.port)), 20)
+                    await asyncio.wait_for(loop.sock_connect(sock, target), 20)
                     conn.reader, conn.writer = await asyncio.open_connection(sock=sock)
                     nonce = auth.new_nonce()
                     conn.writer.write(wire.encode(wire.KIND_HELLO, hello_payload(
@@ -402,25 +424,24 @@ class Generator:
                 return frames
 
     async def _welcome(self, conn: Conn, nonce: bytes) -> None:
-        """The handshake (collectors.auth), as the collectors do it: the hub's proof
-        checked, ours sent, then the welcome."""
+        """The handshake (collectors.auth), as the collectors do it: the hub's challenge,
+        our proof, then the welcome with the hub's proof, checked."""
         assert conn.writer is not None
         key = self.o["key"]
         frames = await self._next_frames(conn)
         first = frames.pop(0)
         hub_nonce = first.payload.get("nonce")
-        if first.kind != wire.KIND_CHALLENGE or not isinstance(hub_nonce, bytes) or \
-                not auth.check(auth.hub_proof(key, "rank", nonce, hub_nonce),
-                               first.payload.get("proof")):
+        if first.kind != wire.KIND_CHALLENGE or not isinstance(hub_nonce, bytes):
             raise RuntimeError(f"hub answered the hello with {first.kind!r}, not a "
-                               f"challenge that proves the token: {first.payload}")
+                               f"challenge: {first.payload}")
         conn.writer.write(wire.encode(wire.KIND_AUTH, {
             "proof": auth.client_proof(key, "rank", hub_nonce, nonce)}))
         if not frames:
             frames = await self._next_frames(conn)
-        if frames[0].kind != wire.KIND_WELCOME:
-            raise RuntimeError(f"hub answered the proof with {frames[0].kind!r}: "
-                               f"{frames[0].payload}")
+        if frames[0].kind != wire.KIND_WELCOME or not auth.check(
+                auth.hub_proof(key, "rank", nonce, hub_nonce), frames[0].payload.get("proof")):
+            raise RuntimeError(f"hub answered the proof with {frames[0].kind!r}, not a "
+                               f"welcome that proves the token: {frames[0].payload}")
         self._handle(conn, frames[1:])
 
     def _handle(self, conn: Conn, frames: list[wire.Frame]) -> None:
@@ -602,6 +623,99 @@ def generator_main(kind: str, idx: int, opts: dict[str, Any], counters: Any,
         raise
     finally:
         gen.c.set(C_DONE, 1)
+
+
+# ---- relays (child processes) ------------------------------------------------------------
+
+
+def relay_main(idx: int, nodes: list[int], opts: dict[str, Any], addrs: Any, flags: Any,
+               counters: Any) -> None:
+    """Entry point of a relay process: one real relay per node of ``nodes``, each with
+    its own listening socket and its own connection to the hub, on one event loop.
+    Each relay's address goes into ``addrs`` (by node); its counters, summed, into
+    ``counters`` row ``idx`` at the end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise_nofile(len(nodes) * (RANKS_PER_NODE + 3) + 256)
+    from rtop.hub.relay import Relay, RelayConfig
+
+    async def run() -> None:
+        relays: list[Relay] = []
+        ppid = os.getppid()
+        for k, node in enumerate(nodes):
+            relay = Relay(RelayConfig(
+                hub=opts["address"], token=opts["ingest"], node=f"node-{node:04d}",
+                job=JOB, interval_s=opts["relay_interval"], linger_s=None))
+            await relay.start()
+            relays.append(relay)
+            addrs[node] = relay.address
+            if k % 16 == 15:  # a few at a time: handshakes, not a burst of thousands
+                deadline = time.monotonic() + 10
+                while not all(r.up for r in relays[-16:]) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+        def publish() -> None:
+            for j, key in enumerate(RelayFleet.KEYS):
+                counters[idx * len(RelayFleet.KEYS) + j] = sum(r.counters[key]
+                                                               for r in relays)
+
+        while not flags["quit"].is_set():
+            if os.getppid() != ppid:
+                os._exit(3)
+            publish()
+            await asyncio.sleep(0.2)
+        publish()
+        for r in relays:
+            await r.close()
+
+    asyncio.run(run())
+
+
+class RelayFleet:
+    """``--relay-procs`` processes running one relay per simulated node between them
+    (see :func:`relay_main`)."""
+
+    KEYS = ("frames_up", "bytes_up", "frames_down", "hub_losses", "streams")
+
+    def __init__(self, opts: dict[str, Any], procs: int) -> None:
+        ctx = mp.get_context("spawn")
+        nodes = -(-opts["ranks"] // RANKS_PER_NODE)
+        self.n = min(procs, nodes)
+        self.addrs = ctx.Manager().dict()
+        self.flags = {"quit": ctx.Event()}
+        self.counters = ctx.RawArray("d", self.n * len(self.KEYS))
+        self.procs = [ctx.Process(target=relay_main, name=f"rtop-relays-{i}",
+                                  args=(i, list(range(i, nodes, self.n)), opts, self.addrs,
+                                        self.flags, self.counters), daemon=True)
+                      for i in range(self.n)]
+        for p in self.procs:
+            p.start()
+        self.ps = [psutil.Process(p.pid) for p in self.procs if p.pid is not None]
+        self.nodes = nodes
+
+    def addresses(self, timeout: float) -> list[str]:
+        """Every node's relay address, by node, once all listen."""
+        wait_until(lambda: len(self.addrs) >= self.nodes, timeout, "the relays to start",
+                   lambda: f"{len(self.addrs)} of {self.nodes} relays listening",
+                   [self.alive_check])
+        return [self.addrs[n] for n in range(self.nodes)]
+
+    def alive_check(self) -> None:
+        if any(p.exitcode not in (None, 0) for p in self.procs):
+            raise RuntimeError("a relay process died")
+
+    def total(self, key: str) -> int:
+        """A counter summed over the relays (published every 0.2 s)."""
+        j, k = self.KEYS.index(key), len(self.KEYS)
+        return int(sum(self.counters[i * k + j] for i in range(self.n)))
+
+    def finish(self, timeout: float = 20.0) -> None:
+        self.flags["quit"].set()
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(3)
 
 
 # ---- the parent: hubs, generators, measurements ------------------------------------------
@@ -834,13 +948,18 @@ def frames_applied(snap: dict[str, Any]) -> int:
 
 
 def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProcess,
-                  viewer: Viewer, res: dict[str, Any]) -> None:
-    """Phase 1: --ranks ranks for --duration seconds."""
-    print(f"phase 1: {args.ranks} ranks from {args.procs} generator processes ...", flush=True)
+                  viewer: Viewer, res: dict[str, Any], relays: RelayFleet | None = None
+                  ) -> None:
+    """Phase 1: --ranks ranks for --duration seconds (through ``relays``, if given)."""
+    via = f", through {relays.nodes} relays in {relays.n} processes" if relays else ""
+    print(f"phase 1: {args.ranks} ranks from {args.procs} generator processes{via} ...",
+          flush=True)
     t_start = time.monotonic()
     fleet = Fleet("job", opts)
     res["fleet"] = fleet
-    checks = (fleet.alive_check, hub.alive_check)
+    checks: tuple[Callable[[], None], ...] = (fleet.alive_check, hub.alive_check)
+    if relays is not None:
+        checks += (relays.alive_check,)
     try:
         wait_until(lambda: fleet.all_at_least(C_READY, 1), 120 + args.ranks / 20,
                    "the ranks to connect",
@@ -857,11 +976,14 @@ def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProces
         hub_cpu, gen_cpu, sys_cpu = (CpuMeter(lambda: [hub.ps]), CpuMeter(lambda: fleet.ps),
                                      SystemMeter())
         self_cpu = CpuMeter(lambda: [psutil.Process()])
+        relay_cpu = CpuMeter(lambda: relays.ps if relays is not None else [])
         cpu: list[float] = []
         gens: list[float] = []
+        rel: list[float] = []
         other: list[float] = []
         rss = [hub.rss()]
         rec0, sent0 = hub.record_bytes(), fleet.total(C_STEPS)
+        up0 = relays.total("frames_up") if relays is not None else 0
         first = viewer.snapshot()
         if first is None:
             raise RuntimeError("the viewer could not get a first snapshot")
@@ -874,17 +996,19 @@ def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProces
                 viewer.snapshot()
                 next_snap = max(next_snap + 1.0 / args.viewer_hz, time.monotonic())
             if now >= next_sample:
-                c, g, s, me = hub_cpu.sample(), gen_cpu.sample(), sys_cpu.sample(), \
-                    self_cpu.sample()
+                c, g, s, me, rl = hub_cpu.sample(), gen_cpu.sample(), sys_cpu.sample(), \
+                    self_cpu.sample(), relay_cpu.sample()
                 cpu.append(c)
                 gens.append(g)
-                other.append(max(0.0, s - c - g - me))
+                rel.append(rl)
+                other.append(max(0.0, s - c - g - me - rl))
                 rss.append(hub.rss())
                 next_sample += 1.0
                 for check in checks:
                     check()
             time.sleep(max(0.0, min(next_snap, next_sample, t_end) - time.monotonic()))
         sent1 = fleet.total(C_STEPS)
+        up1 = relays.total("frames_up") if relays is not None else 0
         hub_cpu_s = hub_cpu.seconds() - hub_cpu.cpu0
         last = viewer.snapshot()
         if last is None:
@@ -894,7 +1018,8 @@ def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProces
         span = t_last - first[1]
         n_frames = frames_applied(snap) - frames_applied(first[0])
         build_total = sum(b for b in viewer.build[1:] if not math.isnan(b))
-        res.update(cpu=cpu, rss=rss, gen_cpu=gens, other_cpu=other, span=span,
+        res["relay_frame_rate"] = (up1 - up0) / span
+        res.update(cpu=cpu, rss=rss, gen_cpu=gens, relay_cpu=rel, other_cpu=other, span=span,
                    ingest_rate=(step_records(snap) - step_records(first[0])) / span,
                    sent_rate=(sent1 - sent0) / span, nominal_rate=args.ranks / PERIOD_S,
                    behind=int(sent1 - step_records(snap)),
@@ -905,6 +1030,10 @@ def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProces
                    rtt=list(viewer.rtt), build=list(viewer.build),
                    viewer_failures=viewer.failures)
         status = snap["ranks"]["status"]
+        res["relays_up"] = int(snap["hub"]["counters"].get("relays", 0))
+        with contextlib.suppress(psutil.Error):  # the hub's own TCP connections
+            res["hub_sockets"] = sum(1 for c in hub.ps.net_connections("tcp")
+                                     if c.status == psutil.CONN_ESTABLISHED)
         res["ranks_listed"] = len(status)
         res["ranks_active"] = sum(1 for s in status if s == "active")
         res["ranks_offset"] = sum(1 for x in snap["ranks"]["offset_s"] if x is not None)
@@ -1106,15 +1235,20 @@ def verdict(ok: bool) -> str:
 
 def summarize(args: argparse.Namespace, res: dict[str, Any], p2: dict[str, Any] | None,
               cost: dict[str, Any], logs: dict[str, dict[str, list[str]]],
-              hub_nofile: int) -> None:
+              hub_nofile: int, mode: str = "direct") -> None:
     cpu, rss = res["cpu"], res["rss"]
     build = [b for b in res["build"] if not math.isnan(b)]
     rtt = res["rtt"]
     us = 1e6
     print()
-    print(f"hub scale: {args.ranks} ranks, 2 steps/s each + 1 Hz gpu/host/mem/hb samples, "
-          f"{args.duration:.0f} s; a viewer at {args.viewer_hz:g} Hz  "
+    via = (f"through {res['relays_up']} relays ({args.relay_procs} processes, "
+           f"{args.relay_interval:g} s interval)" if mode == "relays" else "direct")
+    print(f"hub scale: {args.ranks} ranks {via}, 2 steps/s each + 1 Hz gpu/host/mem/hb "
+          f"samples, {args.duration:.0f} s; a viewer at {args.viewer_hz:g} Hz  "
           f"({os.cpu_count()} CPUs, {args.procs} generator processes)")
+    print(f"  sockets   {res.get('hub_sockets', '?')} TCP connections at the hub"
+          + (f"; {res['relay_frame_rate']:,.0f} relay frames/s carried "
+             f"{res['ingest_rate']:,.0f} step records/s" if mode == "relays" else ""))
     print(f"  connect   {res['connected']} ranks in {res['connect_s']:.1f} s"
           + (f", {res['connect_failed']} FAILED" if res["connect_failed"] else ""))
     missing = res["sent_total"] - res["ingested_total"]
@@ -1151,6 +1285,10 @@ def summarize(args: argparse.Namespace, res: dict[str, Any], p2: dict[str, Any] 
           f"({verdict(res['ranks_active'] == args.ranks)})")
     print(f"  recording {res['record_rate'] / MB:.2f} MB/s "
           f"({res['record_rate'] * 3600 / 1e9:.1f} GB/hour)")
+    if mode == "relays":
+        print(f"  relays    {median(res['relay_cpu']):.0f}% of a core for all of them (median), "
+              f"{median(res['relay_cpu']) / max(res['relays_up'], 1) * 10:.2f}% per 10 "
+              f"relays")
     print(f"  load      generators {median(res['gen_cpu']):.0f}% of a core, other processes "
           f"{median(res['other_cpu']):.0f}% (median); send lag max {res['lag_max'] * 1e3:.0f} "
           f"ms, {res['late']} sends > 50 ms late, {res['skipped']} skipped, {res['dropped']} "
@@ -1196,6 +1334,33 @@ def summarize(args: argparse.Namespace, res: dict[str, Any], p2: dict[str, Any] 
         print(f"  note: {n}")
 
 
+def compare(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
+    """The modes measured, side by side."""
+    modes = list(results)
+    print()
+    print(f"side by side: {args.ranks} ranks, {args.duration:.0f} s each, fresh hubs")
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("TCP connections at the hub", lambda r: f"{r.get('hub_sockets', '?')}"),
+        ("hub CPU, median (% of a core)", lambda r: f"{median(r['cpu']):.0f}%"),
+        ("hub CPU, max", lambda r: f"{fmax(r['cpu']):.0f}%"),
+        ("hub CPU per rank batch (us)", lambda r: f"{r['cpu_per_frame'] * 1e6:.0f}"),
+        ("  without snapshot builds (us)",
+         lambda r: f"{r['cpu_per_frame_ingest'] * 1e6:.0f}"),
+        ("hub RSS, max (MB)", lambda r: f"{fmax(r['rss']) / MB:.0f}"),
+        ("snapshot round trip, median (ms)", lambda r: f"{median(r['rtt']) * 1e3:.0f}"),
+        ("snapshot build, median (ms)",
+         lambda r: f"{median([b for b in r['build'] if not math.isnan(b)]) * 1e3:.0f}"),
+        ("step records/s ingested", lambda r: f"{r['ingest_rate']:,.0f}"),
+        ("ranks active", lambda r: f"{r['ranks_active']} of {args.ranks}"),
+        ("relays' CPU, median", lambda r: f"{median(r['relay_cpu']):.0f}%"
+         if r.get("relays_up") else "-"),
+        ("generators' CPU, median", lambda r: f"{median(r['gen_cpu']):.0f}%"),
+    ]
+    print(f"  {'':34}" + "".join(f"{m:>12}" for m in modes))
+    for name, cell in rows:
+        print(f"  {name:34}" + "".join(f"{cell(results[m]):>12}" for m in modes))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=4096)
@@ -1216,6 +1381,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile", type=Path, default=None,
                     help="run the phase-1 hub under cProfile, save its stats here, print the top")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, recordings)")
+    ap.add_argument("--mode", choices=["direct", "relays", "both"], default="direct",
+                    help="ranks connect to the hub (direct), through one relay per node of "
+                         f"{RANKS_PER_NODE} (relays), or one then the other on fresh hubs")
+    ap.add_argument("--relay-procs", type=int, default=2,
+                    help="processes the relays run in (each runs its share, one relay "
+                         "object, socket and hub connection per node)")
+    ap.add_argument("--relay-interval", type=float, default=0.25, metavar="S",
+                    help="how often a relay forwards what its ranks sent")
     args = ap.parse_args(argv)
     if min(args.ranks, args.procs, args.p2_conns, args.p2_rows) < 1 or args.duration <= 0:
         ap.error("counts and durations must be positive")
@@ -1237,25 +1410,42 @@ def main(argv: list[str] | None = None) -> int:
     token = secrets.token_urlsafe(16)
     hubs: list[HubProcess] = []
     viewers: list[Viewer] = []
+    results: dict[str, dict[str, Any]] = {}
+    relay_fleets: list[RelayFleet] = []
     res: dict[str, Any] = {}
     p2: dict[str, Any] | None = None
+    modes = ["direct", "relays"] if args.mode == "both" else [args.mode]
     try:
-        hub = HubProcess(tmp, "hub1", token, args.profile)
-        hubs.append(hub)
-        address = hub.wait_address()
-        hub_nofile = hub.ps.rlimit(psutil.RLIMIT_NOFILE)[0]
-        print(f"hub {address} (pid {hub.proc.pid}), RSS at start {hub.rss() / MB:.0f} MB, "
-              f"recording to {hub.record}", flush=True)
-        viewer = Viewer(address, auth.role_token(token, "view"))  # each side its role's token
-        viewers.append(viewer)
         ingest = auth.role_token(token, "ingest")
-        opts = {"address": address, "key": auth.key_for(ingest, "ingest"),
-                "ranks": args.ranks, "procs": args.procs,
-                "connect_concurrency": args.connect_concurrency, "backlog_bytes": 1 << 20,
-                "p2_conns": args.p2_conns, "p2_rows": args.p2_rows, "sndbuf": 256 << 10}
-        run_job_phase(args, opts, hub, viewer, res)
-        viewer.close()
-        hub.stop()
+        for mode in modes:
+            hub = HubProcess(tmp, f"hub-{mode}", token,
+                             args.profile if mode == modes[-1] else None)
+            hubs.append(hub)
+            address = hub.wait_address()
+            hub_nofile = hub.ps.rlimit(psutil.RLIMIT_NOFILE)[0]
+            print(f"hub {address} (pid {hub.proc.pid}), RSS at start {hub.rss() / MB:.0f} MB, "
+                  f"recording to {hub.record}", flush=True)
+            viewer = Viewer(address, auth.role_token(token, "view"))  # its role's token
+            viewers.append(viewer)
+            opts = {"address": address, "key": auth.key_for(ingest, "ingest"),
+                    "ingest": ingest, "ranks": args.ranks, "procs": args.procs,
+                    "connect_concurrency": args.connect_concurrency,
+                    "backlog_bytes": 1 << 20, "p2_conns": args.p2_conns,
+                    "p2_rows": args.p2_rows, "sndbuf": 256 << 10,
+                    "relay_interval": args.relay_interval}
+            relays = None
+            if mode == "relays":
+                relays = RelayFleet(opts, args.relay_procs)
+                relay_fleets.append(relays)
+                print(f"starting {relays.nodes} relays in {relays.n} processes ...",
+                      flush=True)
+                opts["relay_addrs"] = relays.addresses(120 + relays.nodes / 10)
+            res = results[mode] = {}
+            run_job_phase(args, opts, hub, viewer, res, relays)
+            viewer.close()
+            if relays is not None:
+                relays.finish()
+            hub.stop()
         if not args.no_phase2:
             hub2 = HubProcess(tmp, "hub2", token, None)
             hubs.append(hub2)
@@ -1269,7 +1459,12 @@ def main(argv: list[str] | None = None) -> int:
         print("in-process costs ...", flush=True)
         cost = in_process_costs(args.ranks)
         logs = {h.log_path.stem: scan_log(h.log_text()) for h in hubs}
-        summarize(args, res, p2, cost, logs, hub_nofile)
+        for mode in modes:
+            summarize(args, results[mode], p2 if mode == modes[-1] else None, cost,
+                      {k: v for k, v in logs.items() if mode in k or k == "hub2"},
+                      hub_nofile, mode)
+        if len(modes) > 1:
+            compare(args, results)
         if args.profile is not None:
             print_profile(args.profile)
         return 0
@@ -1279,9 +1474,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for v in viewers:
             v.close()
-        fleet = res.get("fleet")
-        if fleet is not None:
-            fleet.finish(5)
+        for r in results.values():
+            if r.get("fleet") is not None:
+                r["fleet"].finish(5)
+        for rf in relay_fleets:
+            rf.finish(5)
         for h in hubs:
             h.stop()
         if args.keep:

@@ -352,6 +352,24 @@ def _identity(rank: int) -> dict[str, Any]:
     return identity(rank, world=2, job=JOB)
 
 
+def test_a_relay_the_hub_refuses_sends_the_ranks_to_the_hub(hub: ThreadedHub):
+    from collectors.discovery import node_relay, relay_file_path, relay_off_path
+
+    ident = detect(rank=0, world_size=512, hostname=NODE, job=JOB, source="env")
+    path = relay_file_path(runtime_dir(), ident, hub.address)
+    env = {**os.environ, "RTOP_TOKEN": ingest(hub), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(  # a node name no hub takes: refused for good
+        [sys.executable, "-m", "rtop", "relay", "--hub", hub.address, "--node", "n" * 300,
+         "--discovery-file", str(path)], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=30)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "refused this relay (bad_frame)" in proc.stdout + proc.stderr
+    assert not path.exists() and relay_off_path(path).exists()
+    # the node's ranks go to the hub directly now, and start no other relay
+    assert node_relay(ident, hub.address, ingest(hub)) is None
+    assert not path.exists()
+
+
 # ---- exactly once --------------------------------------------------------------------
 
 

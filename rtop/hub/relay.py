@@ -236,6 +236,7 @@ class Relay:
     def __init__(self, cfg: RelayConfig) -> None:
         if auth.key_for(cfg.token, "ingest") is None:
             raise ValueError("a relay needs the hub's master or ingest token")
+        wire.parse_address(cfg.hub)  # a ValueError that names it
         self.cfg = cfg
         self.address = ""
         self.streams: dict[int, _Stream] = {}
