@@ -11,7 +11,7 @@ import stat
 import statistics
 import subprocess
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,9 @@ def check_against_report(out: Path, rep: dict[str, Any]) -> None:
          f["impact"], f["summary"]) for f in rep["findings"]]
     assert [json.loads(f["evidence"]) for f in found] == [f["evidence"]
                                                           for f in rep["findings"]]
+    assert [(f["cost_s_per_step"], f["cost_share"]) for f in found] == [
+        ((f["evidence"].get("cost") or {}).get("s_per_step"),
+         (f["evidence"].get("cost") or {}).get("share")) for f in rep["findings"]]
     nodes = {r["rank"]: r["node"] for r in rep["ranks"]}
     assert [f["nodes"] for f in found] == [sorted({nodes[r] for r in f["ranks"]})
                                            for f in rep["findings"]]
@@ -125,7 +128,9 @@ def test_a_real_run_exports_what_the_report_says(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
     rep = report(run)
     check_against_report(out, rep)
-    assert [(f["kind"], f["ranks"]) for f in rows(out, "findings")] == [("starved_rank", [1])]
+    [starved] = rows(out, "findings")
+    assert (starved["kind"], starved["ranks"], starved["nodes"]) == ("starved_rank", [1], ["vm"])
+    assert starved["cost_s_per_step"] == pytest.approx(0.030, rel=0.3)  # its loader's 30 ms
     # a CPU job: no GPU samples (an empty table with its columns), memory and host ones
     assert table(out, "gpu").num_rows == 0 and "gpu_util_pct" in table(out, "gpu").schema.names
     assert table(out, "mem").num_rows > 0 and table(out, "host").num_rows > 0
@@ -302,3 +307,68 @@ def test_columns_follow_the_wire_and_figure_tables(tmp_path: Path) -> None:
                 accepted = False
             assert accepted == (name in TEXT), (key, name)
         assert sch.names[:6] == ["rank", "attempt", "group", "job", "node", "t_hub"]
+
+
+def test_long_tables_are_written_in_chunks_of_bounded_rows(tmp_path: Path) -> None:
+    """Rows go to their files a chunk at a time (memory bounded by the chunk, not the
+    run): in chunks of 100 rows, every table holds what one chunk of all holds."""
+    from rtop.export.exporter import export_parquet
+
+    run = tmp_path / "fleet.rtop"
+    write_recording(run, FleetSpec(ranks=16, seed=4, duration_s=40.0), "healthy")
+    one, chunked = tmp_path / "one", tmp_path / "chunked"
+    assert export(run, one).returncode == 0
+    result = export_parquet(run, chunked, chunk_rows=100, find_spools=False)
+    assert result.rows["steps"] > 300 and result.rows["heartbeats"] > 300
+    for name in TABLE_FILES:
+        a, b = table(one, name), table(chunked, name)
+        assert a.num_rows == b.num_rows == result.rows[name]
+        assert a.equals(b), name
+        if b.num_rows > 100 and name not in ("findings", "ranks"):
+            assert pq.ParquetFile(chunked / f"{name}.parquet").num_row_groups >= 3, name
+
+
+def test_a_rank_spool_is_merged_as_the_report_merges_it(tmp_path: Path) -> None:
+    """Rank 3's last batches never reached the hub: its spool (written by the collectors'
+    own writer into the runtime directory) is merged by the export as by the report."""
+    from collectors import wire
+    from collectors.identity import Identity
+    from collectors.spool import write_spool
+    from rtop.fleetsim import frames
+    from rtop.hub.recorder import Recorder
+
+    spec = FleetSpec(ranks=4, per_node=2, seed=5, duration_s=30.0)
+    held: list[tuple[bytes, int]] = []
+    hello: dict[str, Any] = {}
+    run = tmp_path / "fleet.rtop"
+    rec = Recorder(run, {"hub": {"version": "test", "address": "simulated", "pid": 0,
+                                 "started": 1_800_000_000.0}, "job": spec.job})
+    try:
+        for t_hub, kind, payload in frames(spec, "healthy"):
+            if kind == wire.KIND_HELLO and payload["identity"]["rank"] == 3:
+                hello = payload
+            if kind == wire.KIND_BATCH and payload["rank"] == 3 and t_hub > 1_800_000_020.0:
+                held.append((wire.encode(kind, payload), len(payload.get("steps") or [])))
+                continue
+            rec.raw(wire.encode(kind, payload), t_hub)
+    finally:
+        rec.close()
+    spooled_steps = sum(n for _, n in held)
+    assert spooled_steps > 5
+    res = write_spool(Identity(**hello["identity"]), held, hello, {"reason": "exit"},
+                      max_bytes=1 << 24, timeout_s=10.0)
+    assert res.error is None and res.path
+    rep = report(run)
+    assert [s["source"] for s in rep["run"]["spools"]] == ["merged"]
+    out = tmp_path / "out"
+    proc = export(run, out)
+    assert proc.returncode == 0, proc.stderr
+    check_against_report(out, rep)
+    header = json.loads((out / "run.json").read_text())
+    assert header["spools_merged"] == [res.path]
+    without = tmp_path / "without"
+    assert export(run, without, "--no-spools").returncode == 0
+    steps = Counter(r["rank"] for r in rows(out, "steps"))
+    fewer = Counter(r["rank"] for r in rows(without, "steps"))
+    assert steps[3] - fewer[3] == spooled_steps
+    assert all(steps[r] == fewer[r] for r in (0, 1, 2))

@@ -72,8 +72,9 @@ def named_kind(name: str) -> Kind | None:
 WHO: Final = (
     Column("rank", "int", "the rank's world rank"),
     Column("attempt", "int", "the attempt (worker group) it belongs to, numbered from 0 as "
-                             "`rtop report` numbers them; null for a group that never "
-                             "became the job's attempt"),
+                             "`rtop report` numbers them; null for a group that was not "
+                             "the job's attempt (a stray, or one still waiting to take "
+                             "over when its rows were written)"),
     Column("group", "text", "the worker group's id (a restart starts a new one)"),
     Column("job", "text", "the job's own id (Ray Train run id, torchrun run id, ...)"),
     Column("node", "text", "the node (hostname) the rank ran on"),
@@ -150,7 +151,11 @@ FINDINGS: Final = (
     Column("until", "float", "when it ended, or was last seen if still active at the end"),
     Column("duration_s", "float", "until - since"),
     Column("active", "bool", "still active when the recording ends"),
-    Column("impact", "float", "the share of the job's step time it costs (0 to 1)"),
+    Column("impact", "float", "the share of the job's step time it costs (0 to 1): how "
+                              "findings are ordered"),
+    Column("cost_s_per_step", "float", "what it costs the job per step, in seconds "
+                                       "(evidence.cost; null where not measured)"),
+    Column("cost_share", "float", "that cost as a share of the step (evidence.cost)"),
     Column("summary", "text", "what is wrong, in words, with the numbers"),
     Column("fix", "text", "what usually fixes it"),
     Column("evidence", "text", "the numbers behind it, as JSON (unit-named keys)"),

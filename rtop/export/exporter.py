@@ -11,6 +11,7 @@ are applied after the recording, as the report applies them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -25,7 +26,7 @@ from rtop import __version__
 from rtop.analysis import AnalysisConfig
 from rtop.export.columns import FINDINGS, Column, Kind, named_kind
 from rtop.export.parquet import ParquetTables, partial_path, require_pyarrow
-from rtop.export.rows import TABLE_FILES, RowCollector
+from rtop.export.rows import CHUNK_ROWS, TABLE_FILES, RowCollector
 from rtop.report import build_report
 from rtop.run.recording import ReadResult, replay
 from rtop.run.spool import SpoolError, read_spool
@@ -64,14 +65,16 @@ class ExportResult:
 def export_parquet(run: str | Path, directory: str | Path, *, force: bool = False,
                    thresholds: AnalysisConfig | None = None,
                    spools: Iterable[str | Path] = (), find_spools: bool = True,
-                   spool_dir: Path | None = None) -> ExportResult:
+                   spool_dir: Path | None = None,
+                   chunk_rows: int = CHUNK_ROWS) -> ExportResult:
     """Export recording ``run`` as Parquet files in ``directory`` (made 0700 if new).
 
     Refuses (:class:`ExportError`, nothing written) when a file it would write is
     there already, unless ``force``. Raises :class:`rtop.export.parquet.MissingExtra`
     without pyarrow, :class:`ExportError` without the recording and
     :class:`collectors.wire.WireError` when it is not one. A recording cut short is
-    exported up to its last whole frame, and ``warnings`` say so.
+    exported up to its last whole frame, and ``warnings`` say so. A table's rows are
+    written ``chunk_rows`` at a time (one Parquet row group each).
     """
     require_pyarrow()
     path = Path(run)
@@ -83,10 +86,11 @@ def export_parquet(run: str | Path, directory: str | Path, *, force: bool = Fals
     _check_targets(out, targets, force)
     report = build_report(path, thresholds, spools=spools, find_spools=find_spools,
                           spool_dir=spool_dir)
-    _make_directory(out)
-    tables = ParquetTables(out, {"rtop.version": __version__, "rtop.source": str(path)})
+    made = _make_directory(out, targets)
+    tables = ParquetTables(out, {"rtop.version": __version__,
+                                 "rtop.source": str(path.resolve())})
     try:
-        collector = RowCollector(tables.write)
+        collector = RowCollector(tables.write, chunk_rows)
         for name in collector.files:
             tables.open(name, collector.columns(name))
         # the rows need the ranks' identities and offsets, not their rolling windows
@@ -107,6 +111,9 @@ def export_parquet(run: str | Path, directory: str | Path, *, force: bool = Fals
         tables.commit()
     except BaseException:
         tables.abort()
+        if made:
+            with contextlib.suppress(OSError):  # not empty: someone else's files
+                out.rmdir()
         raise
     return ExportResult(out, written, rows, header, warnings)
 
@@ -127,14 +134,16 @@ def _check_targets(out: Path, targets: list[Path], force: bool) -> None:
                           f"now, or killed): nothing was written; remove it or pass --force")
 
 
-def _make_directory(out: Path) -> None:
-    """The output directory: made 0700 (its parents as the umask says) if it is new."""
+def _make_directory(out: Path, targets: list[Path]) -> bool:
+    """The output directory, made 0700 (its parents as the umask says) if it is new:
+    whether it was made."""
     if out.is_dir():
-        for target in out.glob(".*.partial"):  # --force: a killed export's leftovers
-            target.unlink(missing_ok=True)
-        return
+        for target in targets:  # --force: a killed export's leftovers
+            partial_path(target).unlink(missing_ok=True)
+        return False
     out.mkdir(mode=0o700, parents=True)
     os.chmod(out, 0o700)  # whatever the umask
+    return True
 
 
 def _apply_spools(state: RunState, collector: RowCollector, report: dict[str, Any],
@@ -177,9 +186,14 @@ def _findings(report: dict[str, Any], nodes: dict[int, str]) -> dict[str, list[A
     data: dict[str, list[Any]] = {c.name: [] for c in FINDINGS}
     for f in report["findings"]:
         ranks = [r for r in f.get("ranks") or [] if isinstance(r, int)]
+        evidence = f.get("evidence")
+        cost = evidence.get("cost") if isinstance(evidence, dict) else None
+        cost = cost if isinstance(cost, dict) else {}
         row = {**f, "ranks": ranks,
                "nodes": sorted({nodes[r] for r in ranks if r in nodes}),
-               "evidence": _json(f.get("evidence"))}
+               "cost_s_per_step": _number(cost.get("s_per_step")),
+               "cost_share": _number(cost.get("share")),
+               "evidence": _json(evidence)}
         for c in FINDINGS:
             data[c.name].append(row.get(c.name))
     return data
@@ -225,6 +239,10 @@ def _infer(name: str, values: list[Any]) -> Kind:
     if not present:
         return "text"
     return "int" if all(type(v) is int for v in present) else "float"
+
+
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _json(obj: Any) -> str:
