@@ -142,6 +142,8 @@ FIGURES: Final[tuple[Figure, ...]] = (
     # ---- what the hub knows of a rank -----------------------------------------------
     Figure("rank", "rank", "the rank's world rank"),
     Figure("node", "rank", "the node (hostname) it runs on"),
+    Figure("local_rank", "rank", "its index among the ranks of its node (the launcher's "
+           "local rank): the fleet view's column"),
     Figure("status", "rank", "active, finished, exited, failed, lost or ended"),
     Figure("last_seen_s", "rank", "seconds since the rank's last frame",
            prometheus=(Prom("rtop_last_seen_seconds", "Seconds since the rank's last frame"),)),

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from collectors import auth, wire
+from rtop.analysis.viewport import ViewRequest, viewport
 from rtop.run.snapshot import RankDetail, Snapshot
 
 #: What each client role authenticates as (see :mod:`collectors.auth`).
@@ -119,10 +120,16 @@ class HubClient:
                     msg += " (acting on a job needs the control token: `rtop token control`)"
                 raise HubError(msg)
 
-    def snapshot(self) -> Snapshot:
-        """The hub's current snapshot."""
-        self._send(wire.KIND_REQUEST, {"what": "snapshot"})
-        return cast(Snapshot, self._expect(wire.KIND_SNAPSHOT))
+    def snapshot(self, view: ViewRequest | None = None) -> Snapshot:
+        """The hub's current snapshot: every rank's row, or, for a ``view``, the fleet's
+        aggregates and the rows of the view (:mod:`rtop.analysis.viewport`). A hub older
+        than views answers with every row; the view is then made here."""
+        body: dict[str, Any] = {"what": "snapshot"}
+        if view is not None:
+            body["view"] = view.to_wire()
+        self._send(wire.KIND_REQUEST, body)
+        snap = cast(Snapshot, self._expect(wire.KIND_SNAPSHOT))
+        return viewport(snap, view) if view is not None else snap
 
     def rank(self, rank: int) -> RankDetail:
         """One rank's full window (histories, stack, events)."""

@@ -13,6 +13,7 @@ from collectors import wire
 from collectors.figures import FIGURES, PREFIX
 from collectors.schema import TABLES
 from rtop.analysis import AnalysisConfig, Monitor
+from rtop.analysis.viewport import Page, ViewRequest
 from rtop.client import HubClient
 from rtop.hub.service import ThreadedHub
 from rtop.run import snapshot as shape
@@ -76,7 +77,7 @@ def test_every_use_of_a_figure_finds_it():
 
 
 def check_snapshot(snap: dict[str, Any]) -> None:
-    assert set(snap) - {"replay"} == keys(shape.Snapshot) - {"replay"}
+    assert set(snap) - {"replay", "fleet"} == keys(shape.Snapshot) - {"replay", "fleet"}
     assert shape.RunInfo.__required_keys__ <= set(snap["run"]) <= keys(shape.RunInfo)
     assert set(snap["ranks"]) == keys(shape.RankColumns), \
         set(snap["ranks"]) ^ keys(shape.RankColumns)
@@ -92,6 +93,20 @@ def check_snapshot(snap: dict[str, Any]) -> None:
         assert set(scaling) == keys(shape.Scaling)
         for w in scaling["what_if"]:
             assert set(w) == keys(shape.WhatIf)
+
+
+def check_view(snap: dict[str, Any]) -> None:
+    """A view's snapshot: the declared snapshot, and its fleet view as declared."""
+    check_snapshot(snap)
+    fleet = snap["fleet"]
+    assert set(fleet) == keys(shape.FleetView)
+    assert set(fleet["job"]) == keys(shape.JobTotals)
+    for s in fleet["stats"]:
+        assert set(s) == keys(shape.FigureStats)
+    for o in fleet["outliers"]:
+        assert set(o) == keys(shape.Outlier)
+    for p in fleet["pages"].values():
+        assert set(p) == keys(shape.PageView)
 
 
 def test_a_replayed_run_builds_the_declared_snapshot():
@@ -128,6 +143,8 @@ def test_a_live_hub_sends_the_declared_snapshot(tmp_path):
             check_snapshot(snap)
             assert snap["hub"]["address"] == hub.address
             assert snap["ranks"]["gpu_util_pct"] == [95.0]
+            view = ViewRequest(pages={"table": Page(limit=10)}, whole_up_to=0)
+            check_view(dict(viewer.snapshot(view)))
             detail = dict(viewer.rank(0))
             assert set(detail) == keys(shape.RankDetail)
         rank.close()

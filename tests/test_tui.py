@@ -16,8 +16,10 @@ from rtop.tui.app import RtopApp, make_app, parse_goto
 from rtop.tui.columns import COLUMNS
 from rtop.tui.detail import RankScreen
 from rtop.tui.findings import FindingDetail, FindingsList
+from rtop.tui.fleet import FleetScreen
 from rtop.tui.logs import logs_to_file
 from rtop.tui.model import NodeRow, RankRow
+from rtop.tui.node_view import NodeScreen
 from rtop.tui.overview import OverviewScreen
 from rtop.tui.protocols import RankDetailView, SnapshotView
 from rtop.tui.ranks import RanksView, fit_columns
@@ -271,7 +273,8 @@ def test_column_fitting_keeps_the_essentials():
 
 
 async def test_a_thousand_ranks_fold_by_node():
-    """1,024 ranks over 128 nodes: the table holds them all, folds them per node."""
+    """1,024 ranks over 128 nodes: the app opens on the fleet view; its table (t) holds
+    them all, a page at a time sorted by the source's view, and folds them per node."""
     from rtop.analysis import Monitor
 
     mon = Monitor(diagnose=False)
@@ -287,12 +290,18 @@ async def test_a_thousand_ranks_fold_by_node():
                          "fix": "", "impact": 0.4}]
     app = make_app(StaticSource([snap]))
     async with app.run_test(size=(140, 40)) as pilot:
-        await until(pilot, lambda: app.snapshots_seen > 0)
-        assert len(rows(app)) == 1024 and rows(app)[0].rank == 77
+        await until(pilot, lambda: isinstance(app.screen, FleetScreen))
+        await pilot.press("t")
+        view = app.query_one(RanksView)
+        await until(pilot, lambda: view.total == 1024 and bool(view.rows))
+        assert view.paged and len(view.rows) < 1024 and view.rows[0].rank == 77
         await pilot.press("end")
-        assert app.query_one(RanksView).cursor == 1023
+        assert view.cursor == 1023
+        await until(pilot, lambda: view.current is not None)  # the last page came
+        assert view.current.rank == 1023
         await pilot.press("g")
-        assert len(rows(app)) == 128 and all(r.folded for r in rows(app))
+        await until(pilot, lambda: len(rows(app)) == 128)
+        assert all(r.folded for r in rows(app))
         assert rows(app)[0].node == "node-009" and rows(app)[0].badge == "STRAGGLER"
 
 
@@ -309,7 +318,8 @@ def test_every_column_draws_a_missing_figure_as_na_within_its_width():
 
 
 def test_screens_say_what_they_show():
-    for screen in (OverviewScreen(), RankScreen(0, [0]), FabricScreen(), ScalingScreen()):
+    for screen in (OverviewScreen(), RankScreen(0, [0]), FabricScreen(), ScalingScreen(),
+                   FleetScreen(), NodeScreen("node-a")):
         assert isinstance(screen, SnapshotView), screen
     assert isinstance(RankScreen(0, [0]), RankDetailView)
     assert not isinstance(HelpScreen(), SnapshotView)

@@ -80,6 +80,7 @@ from collectors import auth, wire
 from rtop import __version__
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.monitor import Evaluation, Monitor
+from rtop.analysis.viewport import Viewports
 from rtop.hub import http
 from rtop.hub.admission import Admission, Bucket, PeerLog, addr_group, is_loopback
 from rtop.hub.control import Actions, default_profile_dir
@@ -319,6 +320,7 @@ class Hub:
         self._rank_conns: dict[tuple[str, int], _Conn] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._snap_cache: tuple[float, bytes] | None = None
+        self.viewports = Viewports()  # the views viewers ask for (rtop.analysis.viewport)
         self._metrics_cache: tuple[float, bytes] | None = None
         self._closed = asyncio.Event()
         self._closing: asyncio.Task[None] | None = None
@@ -883,6 +885,8 @@ class Hub:
                     self.counters["snapshots_skipped"] += 1
                     return
                 self._offer(conn, wire.encode("rank", self.rank_detail(p["rank"])))
+            elif isinstance(p.get("view"), dict):  # the fleet's aggregates, the rows shown
+                self._offer(conn, self.viewports.frame(p["view"], self.snapshot))
             else:
                 self._offer(conn, self._snapshot_frame())
         elif frame.kind == wire.KIND_CONTROL:  # a control peer's only (see _frame)

@@ -13,7 +13,7 @@ seconds, ``_bytes`` bytes, ``_Bps`` bytes per second, ``_pct`` percent.
 
 # no ``from __future__ import annotations``: TypedDict must see ``NotRequired`` itself
 import sys
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, get_args
 
 if sys.version_info >= (3, 11):
     from typing import NotRequired
@@ -28,6 +28,8 @@ Status = Literal["active", "finished", "exited", "failed", "lost", "ended"]
 
 Num = float | None
 Column = list[float | None]
+#: Every status, in the order of their codes in a fleet view's ``status`` bytes.
+STATUSES: tuple[Status, ...] = get_args(Status)
 
 
 class RunInfo(TypedDict):
@@ -56,6 +58,7 @@ class RankColumns(TypedDict):
 
     rank: list[int]
     node: list[str]
+    local_rank: list[int]  # its index on its node (the launcher's local rank)
     status: list[Status]
     step: list[int]  # last step reported, -1 before the first
     last_seen_s: list[float]  # since the rank's last frame
@@ -222,6 +225,82 @@ class ReplayInfo(TypedDict):
     warnings: list[str]
 
 
+class FigureStats(TypedDict):
+    """One figure of the fleet view over the fleet's active ranks: its distribution on
+    its worse side (``p95`` is the 5th percentile of a figure where low is worse: the GPU
+    clock, memory headroom), the worst value and whose it is."""
+
+    figure: str
+    n: int  # ranks that measured it
+    p50: Num
+    p95: Num
+    p99: Num
+    worst: Num
+    worst_rank: int | None
+
+
+class Outlier(TypedDict):
+    """A rank far from the fleet's median: the figure it deviates most in, and by how
+    much (worse than the median, as ``rtop.analysis.viewport.HEAT`` measures it)."""
+
+    rank: int
+    node: str
+    figure: str
+    dev: float
+
+
+class JobTotals(TypedDict):
+    """The job as a whole, over every rank (the header's figures)."""
+
+    steps_per_s: Num  # 1 / the median rank's step time
+    samples_per_s: Num  # every rank's samples per second, summed
+    efficiency: Num  # median compute / (compute + exposed comm); the scaling's is better
+    dropped: int  # records the collectors could not send, summed
+    active: int
+    lost: int  # lost or failed
+    rtop_cpu: Num  # median share of a core a rank's collector uses
+
+
+class PageView(TypedDict):
+    """A page of the ranks table the viewer asked for: its ranks in the order asked
+    (sorted, filtered), where it starts, and how many ranks the whole table holds."""
+
+    ranks: list[int]
+    offset: int
+    total: int
+
+
+class FleetView(TypedDict):
+    """Every rank in a few bytes, and the fleet in aggregate (``rtop.analysis.viewport``).
+
+    The arrays are little-endian bytes, one entry per rank in rank order (``order``):
+    ``node_of`` (uint32, an index into ``nodes``, which are ordered by their lowest rank),
+    ``local`` (uint16, its place on its node: its local rank), ``status`` (uint8, an index
+    into ``STATUSES``); ``heat`` (int8, figure by figure in the order of ``figures``) is
+    each rank's deviation from the fleet's median in hundredths, worse positive, clamped
+    to +-120, -128 where not measured; ``node_worst`` and ``node_median`` (int8, figure by
+    figure) are each node's worst and median of its ranks' heat.
+    """
+
+    v: int  # the view's version (``rtop.analysis.viewport.VERSION``)
+    ranks: int  # ranks in the fleet (the current attempt)
+    partial: bool  # the snapshot's ``ranks`` hold only the rows of the view
+    order: bytes
+    node_of: bytes
+    nodes: list[str]
+    local: bytes
+    status: bytes
+    figures: list[str]
+    heat: bytes
+    node_worst: bytes
+    node_median: bytes
+    stats: list[FigureStats]  # one per figure of ``figures``
+    outliers: list[Outlier]  # the most deviant ranks, worst first
+    job: JobTotals
+    pages: dict[str, PageView]  # the pages asked for, by the viewer's names
+    build_s: float  # seconds the fleet's arrays and this view took to build
+
+
 class Snapshot(TypedDict):
     """What a viewer draws (see the module doc)."""
 
@@ -236,6 +315,9 @@ class Snapshot(TypedDict):
     links: LinksView | None  # the latest link probe (``rtop probe``); None before one
     hub: HubInfo
     replay: NotRequired[ReplayInfo]
+    #: only in the snapshot of a view (``{"what": "snapshot", "view": {...}}``): the fleet
+    #: in aggregate, and ``ranks`` holds only the view's rows when it says ``partial``
+    fleet: NotRequired[FleetView]
 
 
 class CollectiveFigures(TypedDict):

@@ -985,6 +985,7 @@ class RunState:
         cols: dict[str, list[Any]] = {
             "rank": [r.rank for r in ranks],
             "node": [r.node for r in ranks],
+            "local_rank": [r.identity.local_rank for r in ranks],
             "status": [r.status for r in ranks],
             "step": [r.last_step for r in ranks],
             "last_seen_s": [round(now - r.last_seen, 3) for r in ranks],

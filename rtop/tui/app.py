@@ -10,6 +10,7 @@ call.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 from typing import Any, ClassVar
@@ -20,10 +21,15 @@ from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
 from textual.screen import Screen
 
+from rtop.analysis.viewport import ViewRequest, viewport
 from rtop.fmt import fmt_ranks, safe_text
 from rtop.run.snapshot import Scaling, Snapshot
 from rtop.tui.detail import RankScreen
-from rtop.tui.messages import DetailReceived, SnapshotReceived, SourceStatus
+from rtop.tui.fleet import FleetScreen
+from rtop.tui.heatmap import FleetMap
+from rtop.tui.messages import DetailReceived, SnapshotReceived, SourceStatus, ViewChanged
+from rtop.tui.model import all_ranks
+from rtop.tui.node_view import NodeScreen
 from rtop.tui.overview import OverviewScreen
 from rtop.tui.protocols import RankDetailView, SnapshotView
 from rtop.tui.ranks import RanksView
@@ -61,13 +67,18 @@ class RtopApp(App[int]):
         Binding("shift+right", "seek(60)", "+60 s", show=False),
     ]
 
-    def __init__(self, source: Source, **kwargs: Any) -> None:
+    def __init__(self, source: Source, fleet_above: int | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.source = source
+        #: a job of more ranks than this opens on the fleet view (the table stays a key
+        #: away); :func:`default_fleet_above` reads the setting
+        self.fleet_above = fleet_above if fleet_above is not None else default_fleet_above()
         self.snapshot: Snapshot | None = None
         self.snapshots_seen = 0
         self.last_scaling: Scaling | None = None
         self._overview: OverviewScreen | None = None
+        self._fleet_opened = False
         self._stop = threading.Event()
 
     def get_default_screen(self) -> OverviewScreen:
@@ -102,6 +113,8 @@ class RtopApp(App[int]):
         if not self.screen_stack:  # shutting down
             return
         snap = message.snapshot
+        if "fleet" not in snap:  # a source that sent every row: the view is made here
+            snap = viewport(snap, self.source.view)
         scaling = snap["overview"].get("scaling")
         if scaling is not None:
             self.last_scaling = scaling
@@ -115,6 +128,30 @@ class RtopApp(App[int]):
             if isinstance(screen, SnapshotView):
                 with contextlib.suppress(NoMatches):  # its widgets are gone: closing
                     screen.show_snapshot(snap)
+        fleet = snap.get("fleet")
+        world = max(snap["run"]["world_size"] or 0, fleet["ranks"] if fleet else 0)
+        if not self._fleet_opened and world:
+            self._fleet_opened = True  # once: after that, the user chooses
+            if world > self.fleet_above and self.screen is self._overview:
+                self._push_view(FleetScreen())
+
+    def on_view_changed(self, message: ViewChanged) -> None:
+        """A screen shows other rows: ask the source for the top screen's view."""
+        self.want_view()
+
+    def want_view(self) -> None:
+        """Ask the source for the rows the screen on top shows (and the followed
+        rank's)."""
+        if not self.screen_stack:
+            return
+        want = getattr(self.screen, "view_request", None)
+        view = want() if callable(want) else ViewRequest(top=0)
+        rank = self.source.detail_rank
+        if rank is not None and rank not in view.ranks:
+            view = ViewRequest(ranks=(*view.ranks, rank), nodes=view.nodes, top=view.top,
+                               pages=view.pages, every=view.every,
+                               whole_up_to=view.whole_up_to)
+        self.source.want(view)
 
     def on_detail_received(self, message: DetailReceived) -> None:
         """Hand a rank's detail to the screens that show one."""
@@ -143,9 +180,26 @@ class RtopApp(App[int]):
 
     def on_ranks_view_rank_chosen(self, event: RanksView.RankChosen) -> None:
         """Open a rank's detail, and ask the source for it until it closes."""
-        ranks = list(self.snapshot["ranks"]["rank"]) if self.snapshot is not None else []
-        self.push_screen(RankScreen(event.rank, ranks), callback=lambda _: self.follow(None))
-        self.follow(event.rank)
+        self.open_rank(event.rank)
+
+    def open_rank(self, rank: int) -> None:
+        """Push a rank's detail screen, and follow that rank until it closes."""
+        ranks = all_ranks(self.snapshot) if self.snapshot is not None else []
+        self.push_screen(RankScreen(rank, ranks), callback=lambda _: self.follow(None))
+        self.follow(rank)
+
+    def on_fleet_map_opened(self, event: FleetMap.Opened) -> None:
+        """Enter in the fleet view: a rank's detail, or a node's ranks."""
+        if event.rank is not None:
+            self.open_rank(event.rank)
+        else:
+            self._push_view(NodeScreen(event.node))
+
+    def action_fleet(self) -> None:
+        """The fleet view (above the table)."""
+        if not isinstance(self.screen, FleetScreen):
+            self._fleet_opened = True
+            self._push_view(FleetScreen())
 
     def on_rank_screen_switched(self, event: RankScreen.Switched) -> None:
         """The rank screen moved to another rank: follow that one."""
@@ -154,6 +208,7 @@ class RtopApp(App[int]):
     def follow(self, rank: int | None) -> None:
         """Ask the source for this rank's detail (None: stop)."""
         self.source.follow(rank)
+        self.want_view()
 
     def action_help(self) -> None:
         """Every key."""
@@ -280,6 +335,28 @@ class RtopApp(App[int]):
                 self.source.seek(value)
 
 
-def make_app(source: Source) -> RtopApp:
-    """The app on a source (live hub, recording or fixed snapshots)."""
-    return RtopApp(source)
+#: A job of more ranks than this opens on the fleet view, unless ``RTOP_FLEET_ABOVE``
+#: says otherwise.
+FLEET_ABOVE = 64
+
+
+def default_fleet_above() -> int:
+    """``RTOP_FLEET_ABOVE`` (a number of ranks), else :data:`FLEET_ABOVE`; a value that
+    is not a number is ignored, with a warning on stderr."""
+    raw = os.environ.get("RTOP_FLEET_ABOVE", "").strip()
+    if not raw:
+        return FLEET_ABOVE
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        import sys
+
+        print(f"rtop: RTOP_FLEET_ABOVE={raw!r} is not a number of ranks; using "
+              f"{FLEET_ABOVE}", file=sys.stderr)
+        return FLEET_ABOVE
+
+
+def make_app(source: Source, fleet_above: int | None = None) -> RtopApp:
+    """The app on a source (live hub, recording or fixed snapshots); a job of more than
+    ``fleet_above`` ranks (default :func:`default_fleet_above`) opens on the fleet view."""
+    return RtopApp(source, fleet_above=fleet_above)

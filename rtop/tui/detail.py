@@ -19,7 +19,7 @@ from collectors.figures import figures
 from rtop.fmt import NA, fmt_bytes, fmt_ms, fmt_rate, num, safe_text
 from rtop.run.snapshot import Column, RankDetail, Snapshot
 from rtop.tui.columns import FORMATS
-from rtop.tui.model import growth_forecast, memory_split, rank_rows
+from rtop.tui.model import all_ranks, growth_forecast, memory_split, rank_rows
 
 #: (title, history, field, how to print a value, note): one line per figure with a
 #: ``detail`` (``collectors.figures``), in the table's order: a sparkline of the rank's
@@ -249,7 +249,7 @@ class RankScreen(Screen[None]):
     def show_snapshot(self, snap: Snapshot) -> None:
         """Keep the list of ranks (for previous/next) and the rank's badge fresh."""
         self.snapshot = snap
-        self.ranks = list(snap["ranks"]["rank"] or self.ranks)
+        self.ranks = all_ranks(snap) or self.ranks
 
     def show_detail(self, detail: RankDetail) -> None:
         """Redraw from the rank's detail."""

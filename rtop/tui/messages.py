@@ -43,3 +43,12 @@ class SourceStatus(Message):
     def can_replace(self, message: Message) -> bool:
         """Only the latest status matters."""
         return isinstance(message, SourceStatus)
+
+
+class ViewChanged(Message):
+    """A screen shows other rows (scrolled, sorted, moved its cursor, came back on top):
+    the app asks the source for its view (``view_request()``) again."""
+
+    def can_replace(self, message: Message) -> bool:
+        """One pending change is enough: the app reads the screens' views then."""
+        return isinstance(message, ViewChanged)

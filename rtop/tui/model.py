@@ -9,20 +9,18 @@ job-level figures of the header. Missing values stay ``None`` (they print as
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, cast
 
-from collectors.figures import BY_NAME, figures
-from rtop.analysis.kinds import BADGE_WEIGHT, KINDS
-from rtop.fmt import num, safe_text
-from rtop.run.snapshot import FindingDict, RankDetail, Snapshot
+import numpy as np
 
-#: Statuses that are not a finding's badge but still worth a word.
-STATUS_BADGES: dict[str, str] = {"lost": "LOST", "failed": "FAILED", "exited": "EXITED",
-                                 "finished": "done", "ended": "ended"}
+from collectors.figures import BY_NAME, figures
+from rtop.analysis.kinds import BADGE_WEIGHT
+from rtop.analysis.viewport import STATUS_BADGES, FilterTerms, Fleet, badges_of, decode
+from rtop.fmt import num, safe_text
+from rtop.run.snapshot import FleetView, RankDetail, Snapshot
 
 
 @dataclass(kw_only=True)
@@ -81,20 +79,6 @@ ROW_FIGURES = tuple(f.name for f in fields(RankRow) if f.name in BY_NAME and f.d
 #: The figures a node's row folds its ranks' into, and how (its worst rank's).
 NODE_FIGURES: tuple[tuple[str, Callable[[list[float]], float]], ...] = tuple(
     (f.name, max if f.node == "max" else min) for f in figures() if f.node is not None)
-
-
-def badges_of(findings: Sequence[FindingDict]) -> dict[int, str]:
-    """Rank -> the most serious badge any finding gives it."""
-    out: dict[int, str] = {}
-    for f in findings:
-        kind = KINDS.get(f["kind"])
-        badge = kind.badge if kind is not None else ""
-        if not badge:
-            continue
-        for r in f["ranks"]:
-            if r not in out or BADGE_WEIGHT[badge] > BADGE_WEIGHT[out[r]]:
-                out[r] = badge
-    return out
 
 
 def _numbers(col: list[Any]) -> list[float | None]:
@@ -156,28 +140,12 @@ def sort_rows(rows: list[RankRow], key: str = "worst", reverse: bool = False) ->
 def parse_filter(text: str) -> Callable[[RankRow], bool]:
     """A predicate from the filter box: rank numbers and ranges (``3``, ``0-7``), a
     badge or status (``starved``, ``lost``), or part of a node name. Terms separated by
-    spaces or commas; a row matching any term passes."""
-    terms = [t for t in text.replace(",", " ").split() if t]
-    if not terms:
+    spaces or commas; a row matching any term passes (the hub's pages filter alike:
+    :class:`rtop.analysis.viewport.FilterTerms`)."""
+    terms = FilterTerms.parse(text)
+    if terms.empty:
         return lambda r: True
-    ranks: set[int] = set()
-    spans: list[tuple[int, int]] = []
-    words: list[str] = []
-    for t in terms:
-        if t.isdigit():
-            ranks.add(int(t))
-        elif "-" in t and all(p.isdigit() for p in t.split("-", 1)):
-            a, b = (int(p) for p in t.split("-", 1))
-            spans.append((min(a, b), max(a, b)))
-        else:
-            words.append(t.lower())
-
-    def keep(r: RankRow) -> bool:
-        if r.rank in ranks or any(a <= r.rank <= b for a, b in spans):
-            return True
-        return any(w in r.node.lower() or w in r.badge.lower() or w in r.status.lower()
-                   for w in words)
-    return keep
+    return lambda r: terms.keeps(r.rank, r.node, r.badge, r.status)
 
 
 def group_rows(rows: list[RankRow], unfolded: set[str], fold_all: bool
@@ -198,6 +166,49 @@ def group_rows(rows: list[RankRow], unfolded: set[str], fold_all: bool
             **{name: _worst([getattr(m, name) for m in members], pick)
                for name, pick in NODE_FIGURES}))
     groups.sort(key=lambda g: (-BADGE_WEIGHT.get(g.badge, 0), -(g.step_s or 0.0), g.node))
+    for g in groups:
+        out.append(g)
+        if not g.folded:
+            out.extend(g.members)
+    return out
+
+
+def view_node_rows(snap: Snapshot, members: list[RankRow], unfolded: set[str],
+                   fold_all: bool, text: str = "") -> list[RankRow | NodeRow]:
+    """A view's nodes grouped as :func:`group_rows` groups them, from the nodes' own
+    columns (a view holds only some ranks' rows): every node a line (those whose name
+    holds a word of ``text``, if any), an unfolded node's ranks that the view holds
+    under it."""
+    nodes = snap["nodes"]
+    fleet = snap.get("fleet")
+    node_badge: dict[str, str] = {}
+    if fleet is not None:
+        arrays = decode(fleet)
+        order, node_of = arrays["order"], arrays["node_of"]
+        for rank, badge in badges_of(snap["findings"]).items():
+            hit = np.flatnonzero(order == rank)
+            if len(hit) and badge in BADGE_WEIGHT:
+                name = safe_text(str(fleet["nodes"][int(node_of[hit[0]])]))
+                old = node_badge.get(name, "")
+                if BADGE_WEIGHT[badge] > BADGE_WEIGHT.get(old, 0):
+                    node_badge[name] = badge
+    words = FilterTerms.parse(text).words
+    by_node: dict[str, list[RankRow]] = {}
+    for r in members:
+        by_node.setdefault(r.node, []).append(r)
+    named = cast(Mapping[str, list[Any]], nodes)
+    groups = []
+    for i, raw in enumerate(nodes["node"]):
+        node = safe_text(str(raw or "?"))
+        if words and not any(w in node.lower() for w in words):
+            continue
+        folded = (fold_all and node not in unfolded) or (not fold_all and node in unfolded)
+        groups.append(NodeRow(node=node, ranks=int(nodes["ranks"][i]),
+                              active=int(nodes["active"][i]), badge=node_badge.get(node, ""),
+                              folded=folded, members=by_node.get(node, []),
+                              **{name: num(named[name][i]) for name, _ in NODE_FIGURES}))
+    groups.sort(key=lambda g: (-BADGE_WEIGHT.get(g.badge, 0), -(g.step_s or 0.0), g.node))
+    out: list[RankRow | NodeRow] = []
     for g in groups:
         out.append(g)
         if not g.folded:
@@ -233,37 +244,37 @@ class JobFigures:
 
 
 def job_figures(snap: Snapshot) -> JobFigures:
-    """Steps/s (median rank), samples/s (all ranks), efficiency and rtop's own counts."""
-    run, cols = snap["run"], snap["ranks"]
-    status = cols["status"]
-    steps = [v for v in (num(x) for x in cols["step_s"]) if v]
-    rate = 1.0 / statistics.median(steps) if steps else None
-    sps = 0.0
-    any_samples = False
-    for s, t in zip(cols["samples"], cols["step_s"], strict=False):
-        ns, nt = num(s), num(t)
-        if ns and nt:
-            sps += ns / nt
-            any_samples = True
+    """Steps/s (median rank), samples/s (all ranks), efficiency and rtop's own counts:
+    the fleet's totals (the hub's, in a view), the scaling's efficiency first."""
+    run = snap["run"]
+    fleet = snap.get("fleet")
+    t = fleet["job"] if fleet is not None else Fleet(snap).job
     eff = None
     scaling = snap["overview"].get("scaling")
     if scaling is not None:
         eff = num(scaling["efficiency"])
     if eff is None:
-        comp = [num(x) for x in cols["compute_s"]]
-        expo = [num(x) for x in cols["comm_exposed_s"]]
-        pairs = [(c, e) for c, e in zip(comp, expo, strict=False) if c and e is not None]
-        if pairs:
-            eff = statistics.median(c / (c + e) for c, e in pairs)
-    dropped = sum(d for d in cols["dropped"] if isinstance(d, int))
-    cpus = [v for v in (num(x) for x in cols["rtop_cpu"]) if v is not None]
+        eff = num(t["efficiency"])
     name, job_id = safe_text(run["name"] or ""), safe_text(run["job"] or "")
     return JobFigures(
         name or job_id or "(unnamed job)", run["world_size"] or 0, run["ranks_seen"] or 0,
-        run["attempt"], run["attempts"] or 0, run["uptime_s"] or 0.0, rate,
-        sps if any_samples else None, eff, dropped, run["bad_frames"] or 0,
-        sum(s == "active" for s in status), sum(s in ("lost", "failed") for s in status),
-        statistics.median(cpus) if cpus else None, job_id if name and name != job_id else "")
+        run["attempt"], run["attempts"] or 0, run["uptime_s"] or 0.0, num(t["steps_per_s"]),
+        num(t["samples_per_s"]), eff, int(t["dropped"] or 0), run["bad_frames"] or 0,
+        int(t["active"] or 0), int(t["lost"] or 0), num(t["rtop_cpu"]),
+        job_id if name and name != job_id else "")
+
+
+def all_ranks(snap: Snapshot) -> list[int]:
+    """Every rank of the fleet, in order (a view's rows may be only some of them)."""
+    fleet = snap.get("fleet")
+    if fleet is not None:
+        return [int(r) for r in decode_order(fleet)]
+    return [int(r) for r in snap["ranks"]["rank"]]
+
+
+def decode_order(fleet: FleetView) -> list[int]:
+    """A fleet view's ranks, in order."""
+    return decode(fleet)["order"].tolist()
 
 
 def memory_split(detail: RankDetail) -> dict[str, float] | None:

@@ -4,6 +4,10 @@ one's evidence and fix), the ranks table, and the filter and go-to boxes.
 The screen owns how the table is sorted, filtered, grouped and highlighted, and the
 keys that change it; the app hands it each snapshot (:meth:`OverviewScreen.show_snapshot`)
 and it posts what only the app can do (open a rank, go to a time) as messages.
+
+A fleet too large to send whole (a view's snapshot that says ``partial``) is sorted and
+filtered by the hub: the screen asks for the page of the table on screen
+(:meth:`OverviewScreen.view_request`) and draws the page it gets.
 """
 
 from __future__ import annotations
@@ -19,11 +23,21 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
+from rtop.analysis.viewport import MAX_NODES, MAX_PAGE_ROWS, Page, ViewRequest
 from rtop.run.snapshot import FindingDict, Snapshot
 from rtop.tui.columns import COLUMNS
 from rtop.tui.findings import FindingDetail, FindingsList, evidence_text
 from rtop.tui.header import JobHeader
-from rtop.tui.model import NodeRow, RankRow, group_rows, parse_filter, rank_rows, sort_rows
+from rtop.tui.messages import ViewChanged
+from rtop.tui.model import (
+    NodeRow,
+    RankRow,
+    group_rows,
+    parse_filter,
+    rank_rows,
+    sort_rows,
+    view_node_rows,
+)
 from rtop.tui.ranks import RanksHeader, RanksView
 
 #: What ``s`` steps through: worst first, then every column.
@@ -47,6 +61,7 @@ class OverviewScreen(Screen[None]):
         Binding("w", "worst", "worst first", show=False),
         Binding("g", "group", "group by node"),
         Binding("slash", "filter", "filter"),
+        Binding("v", "fleet", "fleet view"),
         Binding("f", "fabric", "fabric"),
         Binding("e", "scaling", "scaling"),
         Binding("p", "act('profile')", "profile"),
@@ -80,6 +95,7 @@ class OverviewScreen(Screen[None]):
         self.highlight: set[int] = set()
         self._source: tuple[str, bool] | None = None  # the source's last word
         self._drawn = False  # the widgets exist: draw at once (else on_mount draws)
+        self.page_offset, self.page_limit = 0, 64  # the page of a large fleet asked for
 
     # ---- layout -----------------------------------------------------------------------
 
@@ -108,15 +124,39 @@ class OverviewScreen(Screen[None]):
             self.show_snapshot(self.snapshot)
 
     def on_screen_resume(self) -> None:
-        """Back on the overview: redraw with the latest snapshot."""
+        """Back on the overview: redraw with the latest snapshot, ask for its page."""
         if self._drawn:
             self._show_rows()
+        self.post_message(ViewChanged())
+
+    def view_request(self) -> ViewRequest:
+        """The table's lines on screen (a large fleet's page, or its nodes and those
+        unfolded)."""
+        if self.grouped:
+            return ViewRequest(nodes=tuple(sorted(self.unfolded))[:MAX_NODES], top=0)
+        first = tuple(sorted(self.highlight)) if self.sort_key == "worst" else ()
+        return ViewRequest(top=0, pages={"table": Page(
+            sort=self.sort_key, reverse=self.reverse, filter=self.filter_text,
+            offset=self.page_offset, limit=self.page_limit, first=first)})
+
+    def _view_changed(self) -> None:
+        self.post_message(ViewChanged())
+
+    def on_ranks_view_need_rows(self, event: RanksView.NeedRows) -> None:
+        """Scrolled beyond the page the table holds: ask for the lines on screen."""
+        event.stop()
+        self.page_offset = max(0, event.top - event.height)
+        self.page_limit = min(MAX_PAGE_ROWS, 3 * event.height)
+        self._view_changed()
 
     # ---- data in ------------------------------------------------------------------------
 
     def show_snapshot(self, snap: Snapshot) -> None:
         """Draw a new snapshot: header, findings, rows."""
+        large = self._ranks() > getattr(self.app, "fleet_above", 0)
         self.snapshot = snap
+        if large != (self._ranks() > getattr(self.app, "fleet_above", 0)):
+            self.refresh_bindings()
         if not self._drawn:
             return  # on_mount draws it
         self.query_one(JobHeader).show(snap)
@@ -139,7 +179,10 @@ class OverviewScreen(Screen[None]):
         box.focus()
 
     def _ranks(self) -> int:
-        return len(self.snapshot["ranks"]["rank"]) if self.snapshot is not None else 0
+        if self.snapshot is None:
+            return 0
+        fleet = self.snapshot.get("fleet")
+        return fleet["ranks"] if fleet is not None else len(self.snapshot["ranks"]["rank"])
 
     def _show_findings(self, findings: Sequence[FindingDict]) -> None:
         lst = self.query_one(FindingsList)
@@ -181,8 +224,29 @@ class OverviewScreen(Screen[None]):
         lines: list[RankRow | NodeRow] = list(rows)
         return lines
 
+    def _paged(self) -> bool:
+        """Whether the snapshot holds only some ranks' rows (a large fleet's view)."""
+        fleet = self.snapshot.get("fleet") if self.snapshot is not None else None
+        return fleet is not None and fleet["partial"]
+
     def _show_rows(self) -> None:
-        self.query_one(RanksView).set_rows(self.rows())
+        view = self.query_one(RanksView)
+        if not self._paged():
+            view.set_rows(self.rows())
+            return
+        snap = self.snapshot
+        assert snap is not None and "fleet" in snap
+        rows = rank_rows(snap, self.highlight)
+        if self.grouped:
+            view.set_rows(view_node_rows(snap, rows, self.unfolded, self.fold_all,
+                                         self.filter_text))
+            return
+        page = snap["fleet"]["pages"].get("table")
+        if page is None:  # a snapshot of another screen's view: keep what is shown
+            return
+        by_rank = {r.rank: r for r in rows}
+        lines: list[RankRow | NodeRow] = [by_rank[r] for r in page["ranks"] if r in by_rank]
+        view.set_window(lines, page["offset"], page["total"])
 
     # ---- findings ---------------------------------------------------------------------
 
@@ -192,6 +256,7 @@ class OverviewScreen(Screen[None]):
         self.highlight = set(f["ranks"]) if f else set()
         self._show_finding_detail()
         self._show_rows()
+        self._view_changed()
 
     def on_option_list_option_selected(self, event: FindingsList.OptionSelected) -> None:
         """Enter on a finding: show its evidence and fix (enter again hides it)."""
@@ -206,6 +271,7 @@ class OverviewScreen(Screen[None]):
         event.stop()
         self.unfolded ^= {event.node}
         self._show_rows()
+        self._view_changed()
 
     def on_ranks_header_sort_clicked(self, event: RanksHeader.SortClicked) -> None:
         """Sort by the clicked column (again: reverse)."""
@@ -219,6 +285,7 @@ class OverviewScreen(Screen[None]):
     def _resort(self) -> None:
         self.query_one(RanksHeader).show(self.sort_key, self.reverse)
         self._show_rows()
+        self._view_changed()
 
     def action_sort(self, delta: int) -> None:
         """Next (or previous) sort column."""
@@ -241,8 +308,19 @@ class OverviewScreen(Screen[None]):
         self.grouped = not self.grouped
         self.fold_all, self.unfolded = self._ranks() > FOLD_ABOVE, set()
         self._show_rows()
+        self._view_changed()
 
     # ---- what the app does -------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The fleet view's key shows for a job large enough to open on it."""
+        if action == "fleet":
+            return self._ranks() > getattr(self.app, "fleet_above", 0)
+        return True
+
+    async def action_fleet(self) -> None:
+        """Open the fleet view (the app pushes it)."""
+        await self.app.run_action("fleet")
 
     async def action_fabric(self) -> None:
         """Open the fabric view (the app pushes it)."""
@@ -285,6 +363,7 @@ class OverviewScreen(Screen[None]):
         if event.input.id == "filter":
             self.filter_text = event.value
             self._show_rows()
+            self._view_changed()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         """Keep the filter; or ask the app to go to a time or step."""
@@ -305,9 +384,11 @@ class OverviewScreen(Screen[None]):
                     self.filter_text = ""
                 self.query_one(RanksView).focus()
                 self._show_rows()
+                self._view_changed()
                 return
         self.filter_text = ""
         self.highlight = set()
         self.query_one(FindingDetail).add_class("hidden")
         self.query_one(RanksView).focus()
         self._show_rows()
+        self._view_changed()

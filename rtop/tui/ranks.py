@@ -3,12 +3,17 @@
 Only the visible lines are built (Textual's line API), so a job of thousands of ranks
 costs what a screenful costs. Columns (:mod:`rtop.tui.columns`) that do not fit the
 terminal's width are dropped, least important first.
+
+The table may hold only a window of its lines (a page the hub sorted, of a fleet too
+large to send whole: ``set_window``); scrolled beyond it, the lines wait for the next
+snapshot, and the view says which lines it needs (:class:`RanksView.NeedRows`).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 from textual.binding import Binding, BindingType
@@ -19,7 +24,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import Static
 
-from rtop.tui.columns import PLAIN, Column, fit_columns, row_segments
+from rtop.tui.columns import DIM, PLAIN, Column, fit_columns, row_segments
 from rtop.tui.model import NodeRow, RankRow
 
 #: cells kept free on the right for the table's vertical scrollbar, so the header and the
@@ -104,9 +109,23 @@ class RanksView(ScrollView, can_focus=True):
             super().__init__()
             self.node = node
 
+    class NeedRows(Message):
+        """The lines on screen (from ``top``, ``height`` of them) are outside the window
+        the table holds."""
+
+        def __init__(self, top: int, height: int) -> None:
+            super().__init__()
+            self.top, self.height = top, height
+
+        def can_replace(self, message: Message) -> bool:
+            """Only where the table stands now matters."""
+            return isinstance(message, RanksView.NeedRows)
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.rows: list[RankRow | NodeRow] = []
+        self.base = 0  # the line of rows[0] (a window of a larger table)
+        self.total = 0  # lines of the whole table
         self.cursor = 0
         self._key: RowKey | None = None  # what the cursor is on, kept across updates
         self.pinned = False  # until the user moves, the cursor stays on the top line
@@ -119,34 +138,65 @@ class RanksView(ScrollView, can_focus=True):
 
     def set_rows(self, rows: list[RankRow | NodeRow]) -> None:
         """New rows (a new snapshot, sort or filter); the cursor stays on its rank."""
-        self.rows = rows
+        self.set_window(rows, 0, len(rows))
+
+    def set_window(self, rows: list[RankRow | NodeRow], base: int, total: int) -> None:
+        """Lines ``base`` to ``base + len(rows)`` of a table of ``total`` lines; the
+        cursor stays on its rank if the window holds it, else on its line."""
+        self.rows, self.base, self.total = rows, base, max(total, base + len(rows))
         if self.pinned and self._key is not None:
             for i, r in enumerate(rows):
                 if self._key_of(r) == self._key:
-                    self.cursor = i
+                    self.cursor = base + i
                     break
-        self.cursor = max(0, min(self.cursor, len(rows) - 1))
-        self._key = self._key_of(rows[self.cursor]) if rows else None
-        self.virtual_size = Size(0, len(rows))  # lines fit the width: no sideways scrolling
+        self.cursor = max(0, min(self.cursor, self.total - 1))
+        cur = self.current
+        self._key = self._key_of(cur) if cur is not None else self._key
+        self.virtual_size = Size(0, self.total)  # lines fit the width: no sideways scrolling
         self.refresh()
+        self._check_window()
 
     @property
     def current(self) -> RankRow | NodeRow | None:
-        """The row under the cursor."""
-        return self.rows[self.cursor] if 0 <= self.cursor < len(self.rows) else None
+        """The row under the cursor (None where the window does not reach)."""
+        i = self.cursor - self.base
+        return self.rows[i] if 0 <= i < len(self.rows) else None
+
+    @property
+    def paged(self) -> bool:
+        """Whether the table holds only a window of its lines."""
+        return self.total > len(self.rows)
+
+    def _check_window(self) -> None:
+        """Ask for the lines on screen when the window does not hold them all."""
+        if not self.paged:
+            return
+        top, h = int(self.scroll_offset.y), max(1, self.size.height)
+        last = min(self.total, top + h)
+        if top < self.base or last > self.base + len(self.rows):
+            self.post_message(self.NeedRows(top, h))
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        """Scrolled: the window may not hold the lines now on screen."""
+        super().watch_scroll_y(old_value, new_value)
+        self._check_window()
 
     def on_resize(self) -> None:
         """Columns depend on the width."""
-        self.virtual_size = Size(0, len(self.rows))
+        self.virtual_size = Size(0, self.total)
         self.refresh()
+        self._check_window()
 
     def render_line(self, y: int) -> Strip:
         """Build only the line asked for."""
         i = self.scroll_offset.y + y
         width = self.scrollable_content_region.width
-        if i >= len(self.rows):
+        if i >= self.total:
             return Strip.blank(width, PLAIN)
-        row = self.rows[i]
+        if not 0 <= i - self.base < len(self.rows):  # beyond the window: coming
+            strip = Strip([Segment("   …", DIM)]).crop_extend(0, width, PLAIN)
+            return strip.apply_style(Style(underline=True)) if i == self.cursor else strip
+        row = self.rows[i - self.base]
         cols_width = self.size.width - SCROLLBAR
         if cols_width != self._cols_width:  # the same columns as the header above
             self._cols, self._cols_width = fit_columns(cols_width), cols_width
@@ -165,11 +215,12 @@ class RanksView(ScrollView, can_focus=True):
 
     def action_cursor(self, delta: int) -> None:
         """Move the cursor, keeping it in view."""
-        if not self.rows:
+        if not self.total:
             return
-        self.cursor = max(0, min(len(self.rows) - 1, self.cursor + delta))
+        self.cursor = max(0, min(self.total - 1, self.cursor + delta))
         self.pinned = True
-        self._key = self._key_of(self.rows[self.cursor])
+        cur = self.current
+        self._key = self._key_of(cur) if cur is not None else None
         top, h = self.scroll_offset.y, self.size.height
         if self.cursor < top:
             self.scroll_to(y=self.cursor, animate=False)
@@ -188,11 +239,11 @@ class RanksView(ScrollView, can_focus=True):
     def on_click(self, event: Click) -> None:
         """Click picks a line; a second click (or a double click) opens it."""
         i = self.scroll_offset.y + event.y
-        if 0 <= i < len(self.rows):
+        if 0 <= i - self.base < len(self.rows):
             again = i == self.cursor
             self.cursor = i
             self.pinned = True
-            self._key = self._key_of(self.rows[i])
+            self._key = self._key_of(self.rows[i - self.base])
             self.refresh()
             if again or event.chain > 1:
                 self.action_open()

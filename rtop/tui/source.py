@@ -20,6 +20,7 @@ from textual.message import Message
 
 from collectors import wire
 from rtop.analysis import AnalysisConfig, Monitor
+from rtop.analysis.viewport import ViewRequest, viewport
 from rtop.fmt import fmt_duration
 from rtop.run.recording import ReadResult, read
 from rtop.run.snapshot import HubInfo, RankDetail, ReplayInfo, Snapshot
@@ -33,19 +34,29 @@ Post = Callable[[Message], object]
 
 class Source:
     """Base class: ``run(post, stop)`` until ``stop`` is set; ``follow(rank)`` asks for
-    that rank's full detail with every update (None: no detail wanted)."""
+    that rank's full detail with every update (None: no detail wanted); ``want(view)``
+    says which rows the screens show (:class:`~rtop.analysis.viewport.ViewRequest`):
+    every snapshot posted is that view's (``rtop.analysis.viewport.viewport``)."""
 
     live = True
     title = ""
 
     def __init__(self) -> None:
         self.detail_rank: int | None = None
+        self.view = ViewRequest()
         self.wake = threading.Event()
 
     def follow(self, rank: int | None) -> None:
         """Send :class:`DetailReceived` for ``rank`` from now on (None stops it)."""
         self.detail_rank = rank
         self.wake.set()
+
+    def want(self, view: ViewRequest) -> None:
+        """Send the snapshot of ``view`` from now on, the next one at once (called from
+        the UI thread: the worker reads the attribute, which is replaced whole)."""
+        if view != self.view:
+            self.view = view
+            self.wake.set()
 
     def run(self, post: Post, stop: threading.Event) -> None:  # pragma: no cover - abstract
         """Produce messages until ``stop`` is set."""
@@ -85,7 +96,7 @@ class LiveSource(Source):
                     backoff = 0.5
                     while not stop.is_set():
                         t0 = time.monotonic()
-                        post(SnapshotReceived(client.snapshot()))
+                        post(SnapshotReceived(client.snapshot(self.view)))
                         rank = self.detail_rank
                         if rank is not None:
                             post(DetailReceived(client.rank(rank)))
@@ -115,7 +126,8 @@ class StaticSource(Source):
         post(SourceStatus(self.title))
         i = 0
         while not stop.is_set():
-            post(SnapshotReceived(self.snapshots[min(i, len(self.snapshots) - 1)]))
+            snap = self.snapshots[min(i, len(self.snapshots) - 1)]
+            post(SnapshotReceived(viewport(snap, self.view)))
             i += 1
             rank = self.detail_rank
             if rank is not None:
@@ -337,7 +349,7 @@ class ReplaySource(Source):
                 self._advance(until=self._now + self.TICK_S * self.speed)
             self.warnings = self.result.warnings
             self.position = self._now - (self._t0 or 0.0)
-            post(SnapshotReceived(self._snapshot()))
+            post(SnapshotReceived(viewport(self._snapshot(), self.view)))
             rank = self.detail_rank
             if rank is not None:
                 post(DetailReceived(self.monitor.rank_detail(rank)))

@@ -19,6 +19,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Static
 
+from rtop.analysis.viewport import Page, ViewRequest
 from rtop.fmt import (
     NA,
     fmt_bytes,
@@ -31,6 +32,7 @@ from rtop.fmt import (
     safe_text,
 )
 from rtop.run.snapshot import LinksView, Snapshot
+from rtop.tui.messages import ViewChanged
 from rtop.tui.model import rank_rows
 
 
@@ -55,6 +57,14 @@ class FabricScreen(Screen[None]):
             yield Static("", id="fabric")
         yield Footer()
 
+    def view_request(self) -> ViewRequest:
+        """The slowest ranks by bus bandwidth (of a fleet too large to send whole)."""
+        return ViewRequest(top=0, pages={"fabric": Page(sort="busbw_Bps", limit=32)})
+
+    def on_screen_resume(self) -> None:
+        """On top: ask for the slowest ranks."""
+        self.post_message(ViewChanged())
+
     def show_snapshot(self, snap: Snapshot) -> None:
         """Redraw."""
         ov = snap["overview"]
@@ -75,9 +85,19 @@ class FabricScreen(Screen[None]):
             t.add_row(Text(safe_text(str(name))), str(nodes["ranks"][i]),
                       str(nodes["active"][i]), fmt_rate(bus),
                       ratio_bar(bus, expected), fmt_ms(nodes["comm_s"][i]))
-        rows = sorted((r for r in rank_rows(snap) if r.busbw_Bps is not None),
-                      key=lambda r: r.busbw_Bps or 0.0)
-        rt = Table(title=f"per rank, slowest first ({min(len(rows), 32)} of {len(rows)})",
+        fleet = snap.get("fleet")
+        page = fleet["pages"].get("fabric") if fleet is not None and fleet["partial"] \
+            else None
+        if page is not None:  # a large fleet: the hub's slowest ranks
+            by_rank = {r.rank: r for r in rank_rows(snap)}
+            rows = [by_rank[r] for r in page["ranks"] if r in by_rank
+                    and by_rank[r].busbw_Bps is not None]
+            of = page["total"]
+        else:
+            rows = sorted((r for r in rank_rows(snap) if r.busbw_Bps is not None),
+                          key=lambda r: r.busbw_Bps or 0.0)
+            of = len(rows)
+        rt = Table(title=f"per rank, slowest first ({min(len(rows), 32)} of {of})",
                    box=None, title_justify="left")
         for c in ("rank", "node", "busbw", "vs expected", "comm ms", "exposed ms"):
             rt.add_column(c, justify="right" if c not in ("node", "vs expected") else "left")
@@ -285,6 +305,15 @@ class HelpScreen(ModalScreen[None]):
         ("g", "group by node; enter folds or unfolds a node"),
         ("/", "filter: ranks (3, 0-7), a badge (starved), a status (lost), a node name"),
         ("f", "fabric view"), ("e", "scaling efficiency view"),
+        ("v", "the fleet view (a job above RTOP_FLEET_ABOVE ranks opens on it)"),
+        ("Fleet view", ""),
+        ("← → ↑ ↓", "move over the map (nodes in lines, local ranks in columns)"),
+        ("enter", "a rank: its detail; a folded node: its ranks"),
+        ("n", "the ranks of the node under the cursor"),
+        ("c / C", "colour by the next / previous figure (step, data wait, compute, "
+                  "exposed comm, GPU clock, memory headroom)"),
+        ("z", "fold: nodes when the ranks do not fit, always ranks, always nodes"),
+        ("t", "the ranks table"),
         ("Live job", ""),
         ("p", "profile: torch.profiler over 5 steps on the highlighted ranks, else the "
               "rank under the cursor (these three need the control token)"),
@@ -295,7 +324,8 @@ class HelpScreen(ModalScreen[None]):
         ("Stacks", ""), ("↑ ↓", "choose a group of ranks"), ("a", "show rtop's own threads"),
         ("Replay", ""),
         ("space", "pause / play"), ("+ -", "faster / slower (¼× to 64×)"),
-        ("← →", "back / forward 10 s"), ("shift+← shift+→", "back / forward 60 s"),
+        ("← →", "back / forward 10 s (the fleet view's arrows move its cursor)"),
+        ("shift+← shift+→", "back / forward 60 s"),
         (":", "go to a time (90, 5:30, 1:02:03) or a step (step 1200)"),
     )
 
