@@ -27,7 +27,9 @@ What the application does with a figure:
   ``of`` over every step of the run; under ``report_key`` where that public key differs;
 * ``node``: the nodes' view keeps each node's worst rank's figure (its ``max`` or ``min``);
 * ``prometheus``: the per-rank series it is exposed as (the names are public: never
-  derived, never renamed);
+  derived, never renamed): a gauge, a counter, or, with ``quantile``, one quantile of a
+  Summary family (the distributions: :data:`QUANTILES` of a step field over the rank's
+  rolling window, :func:`distribution`);
 * ``column``: a column of the UI's ranks table; ``detail``: a line of the UI's rank
   detail (a sparkline when the figure has a history, else its value); ``text``: a
   column of the plain-text tables (``rtop status``, ``rtop report``).
@@ -70,6 +72,8 @@ class Prom:
     scale: float = 1.0  # to the unit the name says (MHz → hertz)
     offset: float = 0.0  # added after scaling (the step counter from 0 → steps done)
     counter: bool = False
+    #: a sample of the Summary family ``name``, labelled with this quantile (0 to 1)
+    quantile: float | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,37 @@ class Figure:
         return self.report_key or self.name
 
 
+#: The quantiles a step figure's distribution is kept at (the median, p95, p99).
+QUANTILES: Final = (0.5, 0.95, 0.99)
+
+
+def distribution(of: str, label: str, what: str, summary: str, *, note: str = "",
+                 keep: dict[float, tuple[Prom, Text]] | None = None
+                 ) -> tuple[Figure, ...]:
+    """The figures of a step field's distribution: one per :data:`QUANTILES` (``of``
+    less ``_s``, then ``_p50_s``, ``_p95_s``, ``_p99_s``), each over the rank's rolling
+    window of steps (the report: over the run), a quantile of the Prometheus Summary
+    ``summary``, and one line of the rank detail (``label``) for the three; ``keep``
+    adds, per quantile, a series and a text column that were public before."""
+    base = of.removesuffix("_s")
+    out = []
+    for q in QUANTILES:
+        pct = round(q * 100)
+        kept = (keep or {}).get(q)
+        prom = Prom(summary, f"Quantiles of {what} over the rank's rolling window of steps",
+                    quantile=q)
+        out.append(Figure(
+            f"{base}_p{pct}_s", "steps",
+            f"{pct}th percentile of {of} over the rank's rolling window of steps (the "
+            f"report: over the run){': ' + note if note else ''}",
+            of=of, quantile=q, report="quantile",
+            prometheus=(kept[0], prom) if kept else (prom,),
+            detail=Row(label, "ms", "ms, p50 · p95 · p99 over the rank's rolling window of "
+                                    "steps"),
+            text=kept[1] if kept else None))
+    return tuple(out)
+
+
 FIGURES: Final[tuple[Figure, ...]] = (
     # ---- what the hub knows of a rank -----------------------------------------------
     Figure("rank", "rank", "the rank's world rank"),
@@ -170,20 +205,19 @@ FIGURES: Final[tuple[Figure, ...]] = (
            prometheus=(Prom("rtop_step_seconds", "Median iteration time over recent steps"),),
            column=Column("step ms", 8, "ms", at=20, desc=True),
            detail=Row("step ms", "ms"), text=Text("step ms", 8, 1e3)),
+    *distribution("step_s", "step", "the iteration time", "rtop_step_window_seconds"),
     Figure("data_wait_s", "steps", "time blocked in the loader's next() (None when no "
            "loader is wrapped)", window=True, diagnosis=True, report="median", node="max",
            prometheus=(Prom("rtop_data_wait_seconds",
                             "Median time blocked in the data loader per step"),),
            column=Column("data▒ compute█ comm░", 20, "bar", at=30, drop=2, desc=True),
            detail=Row("data ms", "ms"), text=Text("data ms", 8, 1e3)),
-    Figure("data_wait_p95_s", "steps", "95th percentile of data_wait_s over the rank's "
-           "rolling window of steps (the report: over the run): the stalls a median hides",
-           of="data_wait_s", quantile=0.95, report="quantile",
-           prometheus=(Prom("rtop_data_wait_p95_seconds", "95th percentile of the time "
-                            "blocked in the data loader per step, over the rank's rolling "
-                            "window of steps"),),
-           detail=Row("data p95", "ms", "ms, over the rank's rolling window of steps"),
-           text=Text("data p95", 8, 1e3, status=False)),
+    *distribution(
+        "data_wait_s", "data wait", "the time blocked in the data loader per step",
+        "rtop_data_wait_window_seconds", note="the stalls a median hides",
+        keep={0.95: (Prom("rtop_data_wait_p95_seconds", "95th percentile of the time "
+                          "blocked in the data loader per step, over the rank's rolling "
+                          "window of steps"), Text("data p95", 8, 1e3, status=False))}),
     Figure("compute_s", "steps", "step body minus the collective time it waited for",
            window=True, diagnosis=True, report="median",
            prometheus=(Prom("rtop_compute_seconds",
@@ -203,6 +237,8 @@ FIGURES: Final[tuple[Figure, ...]] = (
            prometheus=(Prom("rtop_comm_exposed_seconds",
                             "Median collective time per step not overlapped with compute"),),
            text=Text("exp ms", 7, 1e3, status=False)),
+    *distribution("comm_exposed_s", "exp comm", "the collective time per step not "
+                  "overlapped with compute", "rtop_comm_exposed_window_seconds"),
     Figure("comm_bytes", "steps", "bytes the step's collectives moved (nccl-tests size "
            "convention)", window=True, diagnosis=True, report="median",
            prometheus=(Prom("rtop_comm_bytes", "Median bytes moved by collectives per step"),),
@@ -356,6 +392,9 @@ def _check() -> None:
         assert f.report != "quantile" or f.of, f.name
         assert not f.of or (f.table == "steps" and not f.window
                             and f.of in window_fields("steps")), f.name
+        # a Summary's quantile is the figure's own
+        assert all(p.quantile in (None, f.quantile) and not (p.quantile and p.counter)
+                   for p in f.prometheus), f.name
 
 
 _check()

@@ -1,7 +1,8 @@
 """``rtop report RUN``: what each rank did over a whole recorded run.
 
-Per rank (of each attempt): medians over the run of the step figures (and the data
-wait's 95th percentile, ``data_wait_p95_s``), GPU utilization and memory where
+Per rank (of each attempt): medians over the run of the step figures (and the
+distributions of the step time, the data wait and the exposed comm: their p50, p95 and
+p99 over the run, ``step_p99_s``, ``data_wait_p95_s``, ...), GPU utilization and memory where
 measured, peak memory and the headroom left, and the step's collectives split by
 collective (``collectives``: per collective, the medians of its
 per-step time, bytes, calls and bus bandwidth over the steps in which it ran, and how
@@ -27,7 +28,7 @@ from collectors.figures import Figure, figures
 from collectors.raytrain import RAY_DATA_FIELDS
 from collectors.schema import COLLECTIVE_FIGURES, STEP_FIELDS, TABLES
 from rtop.analysis import AnalysisConfig, Monitor
-from rtop.fmt import fixed, safe_text
+from rtop.fmt import fixed, fmt_ms, safe_text
 from rtop.run.recording import ReadResult, replay
 from rtop.run.ring import nanquantile_rows
 from rtop.run.spool import (
@@ -45,11 +46,19 @@ from rtop.run.validate import ProtocolError
 #: The figures a rank's entry sums up over the run (the figures' ``report``): medians,
 #: peaks and last values, under their report keys, in the table's order.
 REPORTED = tuple(f for f in figures() if f.report is not None)
-#: Per wire table: the reported figures read from its rows, with their fields' index.
-_READ = {table: [(f, fields.index(f.source)) for f in REPORTED if f.table == table]
+#: Per wire table: the reported figures read from its rows, with their fields' index (a
+#: quantile is taken of its ``of`` figure's values).
+_READ = {table: [(f, fields.index(f.source)) for f in REPORTED
+                 if f.table == table and f.report != "quantile"]
          for table, fields in TABLES.items()}
 #: The columns of the text table (the figures' ``text``), then free GB and status.
 TEXT_COLUMNS = tuple((f.key, f.text) for f in REPORTED if f.text is not None and f.text.report)
+#: The distributions (the figures' ``of``): per step field, its quantile figures; the
+#: field is itself reported by its median, whose values the quantiles are taken of.
+DISTRIBUTIONS: dict[str, list[Figure]] = {
+    of: [f for f in REPORTED if f.report == "quantile" and f.of == of]
+    for of in dict.fromkeys(f.of for f in REPORTED if f.report == "quantile")}
+assert all(of in {f.name for f in REPORTED if f.report == "median"} for of in DISTRIBUTIONS)
 _S = {f: i for i, f in enumerate(STEP_FIELDS)}
 
 
@@ -57,9 +66,10 @@ class _Acc:
     """Everything the report keeps of one rank: compact arrays, not rows."""
 
     def __init__(self) -> None:
-        #: per reported figure: its values (medians), its largest (peaks), its last
+        #: per reported figure: its values (medians; the quantiles are read from their
+        #: ``of`` figure's: one array per field), its largest (peaks), its last
         self.values: dict[str, array[float]] = {
-            f.name: array("d") for f in REPORTED if f.report in ("median", "quantile")}
+            f.name: array("d") for f in REPORTED if f.report == "median"}
         self.peak: dict[str, float] = {}
         self.last: dict[str, Any] = {}
         self.n_steps = 0
@@ -79,7 +89,7 @@ class _Acc:
                     v = row[j]
                     if v is None:
                         continue
-                    if f.report in ("median", "quantile"):
+                    if f.report == "median":
                         if isinstance(v, (int, float)):
                             self.values[f.name].append(float(v))
                     elif f.report == "peak":
@@ -119,7 +129,7 @@ def _summary(f: Figure, acc: _Acc) -> Any:
     if f.report == "peak":
         return acc.peak.get(f.name)
     if f.report == "quantile" and f.quantile is not None:
-        values = np.frombuffer(acc.values[f.name], dtype=np.float64)
+        values = np.frombuffer(acc.values[f.of], dtype=np.float64)
         q = nanquantile_rows(values[None, :], f.quantile)[0] if len(values) else np.nan
         return None if np.isnan(q) else float(q)
     return acc.last.get(f.name)
@@ -336,8 +346,27 @@ def format_text(report: dict[str, Any]) -> str:
             f"{r['rank']:>4} {r['node'][:14]:<14} {r['steps']:>6}",
             *(f"{fixed(r[key], t.scale, t.digits):>{t.width}}" for key, t in TEXT_COLUMNS),
             f"{fixed(r['headroom_bytes'], 1e-9, 2):>8} {r['status']:>8}"]))
+    out += _distribution_lines(report["ranks"])
     out += _attempt_lines(report) + _ray_data_lines(report["ranks"])
     return "\n".join(out)
+
+
+def _distribution_lines(ranks: list[dict[str, Any]]) -> list[str]:
+    """Each rank's distributions over the run, p50 / p95 / p99 in ms (the figures'
+    ``of``: step time, data wait, exposed comm); nothing when no rank measured any."""
+    if not any(r.get(f.key) is not None for r in ranks for fs in DISTRIBUTIONS.values()
+               for f in fs):
+        return []
+    width = 23
+    labels = [fs[0].detail.label if fs[0].detail is not None else of
+              for of, fs in DISTRIBUTIONS.items()]
+    head = " ".join([f"{'rank':>4}", *(f"{label:>{width}}" for label in labels)])
+    out = ["", "Distributions over the run (ms: p50 / p95 / p99)", head, "-" * len(head)]
+    for r in ranks:
+        cells = [" / ".join(fmt_ms(r.get(f.key)) for f in fs)
+                 for fs in DISTRIBUTIONS.values()]
+        out.append(" ".join([f"{r['rank']:>4}", *(f"{c:>{width}}" for c in cells)]))
+    return out
 
 
 def _attempt_lines(report: dict[str, Any]) -> list[str]:

@@ -55,14 +55,15 @@ def test_every_use_of_a_figure_finds_it():
     for each figure it sums up."""
     from dataclasses import fields
 
-    from rtop.hub.metrics import RANK_COUNTERS, RANK_GAUGES
+    from rtop.hub.metrics import RANK_COUNTERS, RANK_GAUGES, RANK_SUMMARIES
     from rtop.report import build_report
     from rtop.run.state import SAMPLE_HISTORY, STEP_HISTORY, WINDOW_STATS
     from rtop.tui.model import NodeRow, RankRow
 
     columns = keys(shape.RankColumns)
-    assert {s.column for s in RANK_GAUGES + RANK_COUNTERS} <= columns
-    assert {s.name for s in RANK_GAUGES + RANK_COUNTERS} == {
+    summaries = tuple(s for _, quantiles in RANK_SUMMARIES.values() for _, s in quantiles)
+    assert {s.column for s in RANK_GAUGES + RANK_COUNTERS + summaries} <= columns
+    assert {s.name for s in RANK_GAUGES + RANK_COUNTERS + summaries} == {
         p.name for f in FIGURES for p in f.prometheus}
     row, node = {f.name for f in fields(RankRow)}, {f.name for f in fields(NodeRow)}
     for f in FIGURES:

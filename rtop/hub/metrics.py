@@ -9,6 +9,16 @@ rank, ``rank`` and ``node``; counters end in ``_total``. A figure that was not
 measured (None, NaN, infinite) is left out, never written as 0. Names come from the
 ranks, so they are cleaned and cut to :data:`LABEL_MAX` characters before
 ``prometheus_client`` escapes them.
+
+A rank's distributions (p50, p95 and p99 of its step time, data wait and exposed comm
+over its rolling window of steps, ``collectors.figures.distribution``) are Summary
+families, one sample per quantile (``quantile`` label), as a client-side Summary gives
+them: the hub holds each rank's exact quantiles over a sliding window, which is what a
+Summary means. A Histogram would need bucket bounds fixed in advance that suit every
+job's step time (a millisecond to minutes) and cumulative counts per bucket the hub does
+not keep; its one advantage, adding buckets up across ranks, is what the fleet view
+already shows. The Summaries carry no ``_count`` and ``_sum``: those would have to be
+cumulative over the run, and the hub keeps windows (``rtop_steps_total`` counts steps).
 """
 
 from __future__ import annotations
@@ -18,7 +28,12 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from prometheus_client.exposition import generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from collectors.figures import figures
@@ -43,11 +58,27 @@ class Series:
 #: Per-rank gauges: medians over each rank's recent steps, latest samples otherwise
 #: (the figures' ``prometheus``, ``collectors.figures``).
 RANK_GAUGES = tuple(Series(p.name, f.name, p.help, p.scale, p.offset)
-                    for f in figures() for p in f.prometheus if not p.counter)
+                    for f in figures() for p in f.prometheus
+                    if not p.counter and p.quantile is None)
 
 #: Per-rank counters (``_total`` is added on output).
 RANK_COUNTERS = tuple(Series(p.name, f.name, p.help, p.scale, p.offset)
                       for f in figures() for p in f.prometheus if p.counter)
+
+def _rank_summaries() -> dict[str, tuple[str, tuple[tuple[float, Series], ...]]]:
+    out: dict[str, tuple[str, tuple[tuple[float, Series], ...]]] = {}
+    for f in figures():
+        for p in f.prometheus:
+            if p.quantile is not None:
+                text, quantiles = out.get(p.name, (p.help, ()))
+                out[p.name] = (text, (*quantiles, (p.quantile, Series(
+                    p.name, f.name, p.help, p.scale, p.offset))))
+    return out
+
+
+#: Per-rank Summaries (see the module doc): by name, its help and its quantiles, each
+#: with the snapshot column it reads, lowest quantile first.
+RANK_SUMMARIES = _rank_summaries()
 
 #: The hub's own counters (``HubInfo.counters`` and what the hub adds), as
 #: ``rtop_hub_<name>_total``; a counter not listed here is exposed with a plain help.
@@ -137,12 +168,30 @@ class SnapshotCollector(Collector):
                         family.add_metric(lab, v)
                 if family.samples:  # no rank measured it: no family at all
                     yield family
+        yield from self._summaries(cols, labels)
         up = self._family(GaugeMetricFamily, "rtop_rank_up", "1 if the rank is sending, "
                           "0 if it is lost, finished or failed", "rank", "node")
         status = cols.get("status") or []
         for i, lab in enumerate(labels):
             up.add_metric(lab, 1.0 if i < len(status) and status[i] == "active" else 0.0)
         yield up
+
+    def _summaries(self, cols: Mapping[str, list[Any]], labels: list[list[str]]
+                   ) -> Iterator[Metric]:
+        """The distributions, one Summary family each (quantile samples only)."""
+        keys = {**dict.fromkeys(self._job_keys, ""), "rank": "", "node": ""}
+        for name, (text, quantiles) in RANK_SUMMARIES.items():
+            family = SummaryMetricFamily(name, text, labels=tuple(keys))
+            for q, s in quantiles:
+                values = cols.get(s.column) or []
+                for i, lab in enumerate(labels):
+                    v = num(values[i]) if i < len(values) else None
+                    if v is not None:
+                        family.add_sample(name, {**dict(zip(keys, lab, strict=True)),
+                                                 "quantile": f"{q:g}"},
+                                          v * s.scale + s.offset)
+            if family.samples:
+                yield family
 
     def _findings(self) -> Iterator[Metric]:
         findings = self.snap.get("findings") or []

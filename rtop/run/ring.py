@@ -190,16 +190,26 @@ def nanquantile_rows(values: np.ndarray, q: float) -> np.ndarray:
     """The ``q`` quantile (0 to 1) of each row of a ``(n, k)`` array, ignoring NaN:
     ``(n,)`` float64, NaN for a row with no value. Linear between the two nearest values,
     as ``np.nanquantile``'s default, from one sort and a gather."""
+    out: np.ndarray = nanquantiles_rows(values, (q,))[:, 0]
+    return out
+
+
+def nanquantiles_rows(values: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """Several quantiles of each row of a ``(n, k)`` array from one sort, ignoring NaN:
+    ``(n, len(qs))`` float64 (see :func:`nanquantile_rows`)."""
     n, k = values.shape
     if n == 0 or k == 0:
-        return np.full(n, np.nan)
+        return np.full((n, len(qs)), np.nan)
     srt = np.sort(values, axis=1)  # NaN sorts last
     valid = (~np.isnan(srt)).sum(axis=1)
-    pos = np.maximum(valid - 1, 0) * q
-    lo = np.floor(pos).astype(np.int64)
-    hi = np.minimum(lo + 1, np.maximum(valid - 1, 0))
-    a = np.take_along_axis(srt, lo[:, None], axis=1)[:, 0].astype(np.float64)
-    b = np.take_along_axis(srt, hi[:, None], axis=1)[:, 0].astype(np.float64)
-    out: np.ndarray = a + (b - a) * (pos - lo)
+    top = np.maximum(valid - 1, 0)
+    out = np.empty((n, len(qs)))
+    for j, q in enumerate(qs):
+        pos = top * q
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, top)
+        a = np.take_along_axis(srt, lo[:, None], axis=1)[:, 0].astype(np.float64)
+        b = np.take_along_axis(srt, hi[:, None], axis=1)[:, 0].astype(np.float64)
+        out[:, j] = a + (b - a) * (pos - lo)
     out[valid == 0] = np.nan
     return out

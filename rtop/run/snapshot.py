@@ -79,7 +79,15 @@ class RankColumns(TypedDict):
     samples: Column
     gap_s: Column
     # statistics over each rank's whole rolling window of steps
+    step_p50_s: Column
+    step_p95_s: Column
+    step_p99_s: Column
+    data_wait_p50_s: Column
     data_wait_p95_s: Column
+    data_wait_p99_s: Column
+    comm_exposed_p50_s: Column
+    comm_exposed_p95_s: Column
+    comm_exposed_p99_s: Column
     # latest NVML sample
     gpu_util_pct: Column
     gpu_mem_util_pct: Column
@@ -350,7 +358,8 @@ class RankDetail(TypedDict):
     summary: NotRequired[dict[str, float | None]]  # medians kept once its window is freed
     steps: NotRequired[dict[str, Column]]  # step history, one column per field
     samples: NotRequired[dict[str, Column]]  # sample history, one column per field
-    #: statistics over its whole rolling window of steps (``data_wait_p95_s``, ...)
+    #: statistics over its whole rolling window of steps (``data_wait_p95_s``,
+    #: ``step_p99_s``, ...: the figures' distributions)
     stats: NotRequired[dict[str, float | None]]
     #: the step's collectives split by collective, over its recent steps (worst first)
     collectives: NotRequired[dict[str, CollectiveFigures]]

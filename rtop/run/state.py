@@ -42,7 +42,7 @@ from collectors.schema import (
     STEP_FIELDS,
 )
 from rtop.fmt import safe_text
-from rtop.run.ring import FIRST_BLOCK, Rings, nanmedian_rows, nanquantile_rows
+from rtop.run.ring import FIRST_BLOCK, Rings, nanmedian_rows, nanquantiles_rows
 from rtop.run.snapshot import (
     CollectiveFigures,
     NodeColumns,
@@ -83,13 +83,20 @@ SAMPLE_HISTORY = ("t_wall", *(PREFIX[t] + f for t in ("gpu", "host", "mem")
 SNAPSHOT_STEP_FIELDS = tuple(f.name for f in FIGURES if f.table == "steps" and f.snapshot
                              and not f.of and f.name != "step")
 #: Figures that are a statistic of a step field over each rank's whole rolling window (the
-#: figures' ``of`` and ``quantile``: the data wait's p95, ...).
+#: figures' ``of`` and ``quantile``: the data wait's, the step's and the exposed comm's
+#: p50, p95 and p99).
 WINDOW_STATS = tuple(f for f in FIGURES if f.of)
-#: Rank-steps a snapshot reads at most for :data:`WINDOW_STATS`: beyond it (more than
-#: about 100 ranks with full windows of 1,200 steps) each snapshot refreshes a share of
-#: the ranks in turn, each at most ``ceil(ranks × window / budget)`` snapshots old (at
-#: 2 snapshots a second: 19 s at 4,096 ranks, 75 s at 16,384). A rank's detail computes
-#: its own afresh.
+#: The step fields :data:`WINDOW_STATS` are statistics of, each with the quantiles taken
+#: of it and their columns in :attr:`RunState.stats` (one sort per field and rank).
+STATS_OF: Final = tuple(
+    (of, tuple(f.quantile for f in WINDOW_STATS if f.of == of and f.quantile is not None),
+     tuple(j for j, f in enumerate(WINDOW_STATS) if f.of == of and f.quantile is not None))
+    for of in dict.fromkeys(f.of for f in WINDOW_STATS))
+#: Rank-steps a snapshot reads at most for :data:`WINDOW_STATS`, per field it reads
+#: (:data:`STATS_OF`): beyond it (more than about 100 ranks with full windows of 1,200
+#: steps) each snapshot refreshes a share of the ranks in turn, each at most
+#: ``ceil(ranks × window / budget)`` snapshots old (at 2 snapshots a second: 19 s at
+#: 4,096 ranks, 75 s at 16,384). A rank's detail computes its own afresh.
 STATS_BUDGET: Final = 1 << 17
 #: Step figures a node's line takes from its worst rank, and how (larger or smaller).
 NODE_WORST = tuple((f.name, np.fmax if f.node == "max" else np.fmin)
@@ -1068,9 +1075,9 @@ class RunState:
         """The :data:`WINDOW_STATS` of ``slots`` over their whole rolling windows, now:
         ``(len(slots), len(WINDOW_STATS))``, NaN where a slot has no value."""
         out = np.full((len(slots), len(WINDOW_STATS)), np.nan)
-        for j, f in enumerate(WINDOW_STATS):
-            if len(slots) and f.quantile is not None:
-                out[:, j] = nanquantile_rows(self.steps.stored(slots, f.of), f.quantile)
+        if len(slots):
+            for of, qs, cols in STATS_OF:
+                out[:, cols] = nanquantiles_rows(self.steps.stored(slots, of), qs)
         return out
 
     def _stats(self, slots: np.ndarray, gone: np.ndarray) -> np.ndarray:

@@ -21,14 +21,29 @@ from rtop.run.snapshot import Column, RankDetail, Snapshot
 from rtop.tui.columns import FORMATS
 from rtop.tui.model import all_ranks, growth_forecast, memory_split, rank_rows
 
-#: (title, history, field, how to print a value, note): one line per figure with a
-#: ``detail`` (``collectors.figures``), in the table's order: a sparkline of the rank's
-#: recent "steps" or "samples", or, with no history (""), a statistic of its window
-#: (``RankDetail.stats``), with its note
-SERIES: tuple[tuple[str, str, str, Callable[[float], str], str], ...] = tuple(
-    (f.detail.label, ("steps" if f.table == "steps" else "samples") if f.window else "",
-     f.name, FORMATS[f.detail.fmt][0], f.detail.note)
-    for f in figures() if f.detail is not None)
+#: One line of the rank detail: (title, history, fields, how to print a value, note).
+Line = tuple[str, str, tuple[str, ...], Callable[[float], str], str]
+
+
+def _lines() -> tuple[Line, ...]:
+    out: list[Line] = []
+    for f in figures():
+        if f.detail is None:
+            continue
+        src = ("steps" if f.table == "steps" else "samples") if f.window else ""
+        if not src and out and not out[-1][1] and out[-1][0] == f.detail.label:
+            title, _, names, fmt, note = out[-1]  # the next quantile of a distribution
+            out[-1] = (title, "", (*names, f.name), fmt, note)
+            continue
+        out.append((f.detail.label, src, (f.name,), FORMATS[f.detail.fmt][0], f.detail.note))
+    return tuple(out)
+
+
+#: One line per figure with a ``detail`` (``collectors.figures``), in the table's order:
+#: a sparkline of the rank's recent "steps" or "samples", or, with no history (""),
+#: statistics of its window (``RankDetail.stats``: the quantiles of one distribution on
+#: one line), with their note
+SERIES: tuple[Line, ...] = _lines()
 
 
 def fmt_phase(seconds: object) -> str:
@@ -188,14 +203,14 @@ class Value(Static):
         super().__init__(**kwargs)
         self.title, self.note = title, note
 
-    def show(self, value: float | None, fmt: Callable[[float], str]) -> None:
-        """Redraw with this value."""
+    def show(self, values: list[float | None], fmt: Callable[[float], str]) -> None:
+        """Redraw with these values (a statistic, or the quantiles of a distribution)."""
         label = Text(f"{self.title:<11}", "bold")
-        v = num(value)
-        if v is None:
+        vs = [num(v) for v in values]
+        if all(v is None for v in vs):
             label.append(" not measured", "dim")
         else:
-            label.append(f"{fmt(v):>9} ")
+            label.append(f"{' · '.join(NA if v is None else fmt(v) for v in vs):>9} ")
             label.append(self.note, "dim")
         self.update(label)
 
@@ -283,11 +298,11 @@ class RankScreen(Screen[None]):
         history = {"steps": d.get("steps") or {}, "samples": d.get("samples") or {}}
         stats = d.get("stats") or {}
         lines = self.query_one("#series").children
-        for widget, (_, src, fld, fmt, _) in zip(lines, SERIES, strict=True):
+        for widget, (_, src, names, fmt, _) in zip(lines, SERIES, strict=True):
             if isinstance(widget, Series):
-                widget.show(history[src].get(fld) or [], fmt)
+                widget.show(history[src].get(names[0]) or [], fmt)
             elif isinstance(widget, Value):
-                widget.show(stats.get(fld), fmt)
+                widget.show([stats.get(n) for n in names], fmt)
         mem = Text()
         split = memory_split(d)
         if split:
