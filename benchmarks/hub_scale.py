@@ -146,6 +146,12 @@ def hello_payload(rank: int, world: int, group: str, nonce: bytes = b"") -> dict
                           "torch": "2.5.1", "dropped": 0}}
 
 
+def _step_row(**values: Any) -> list[Any]:
+    """A step record in ``STEP_FIELDS`` order; fields not given are not measured."""
+    assert set(values) <= set(STEP_FIELDS), set(values) - set(STEP_FIELDS)
+    return [values.get(f) for f in STEP_FIELDS]
+
+
 def _row(fields: Sequence[str], values: dict[str, Any]) -> list[Any]:
     assert set(values) == set(fields), set(fields) ^ set(values)
     return [values[f] for f in fields]
@@ -200,10 +206,12 @@ class RankStream:
         gap = 0.0006 + 0.0004 * rnd()
         compute = step_s - data - exposed - gap
         algbw = COMM_BYTES / comm
-        # STEP_FIELDS order (checked in check_frames)
-        # (collectives None: a DDP model's are all allreduces, in the step's own figures)
-        step = [self.step, now - step_s, step_s, data, compute, compute * (0.95 + 0.04 * rnd()),
-                comm, exposed, COMM_BYTES, 112, algbw, algbw * self.bus, 16, gap, None]
+        # in STEP_FIELDS order; fields not named here (collectives: a DDP model's are all
+        # allreduces, in the step's own figures) not measured
+        step = _step_row(step=self.step, t_wall=now - step_s, step_s=step_s, data_wait_s=data,
+                         compute_s=compute, gpu_s=compute * (0.95 + 0.04 * rnd()), comm_s=comm,
+                         comm_exposed_s=exposed, comm_bytes=COMM_BYTES, comm_calls=112,
+                         algbw_Bps=algbw, busbw_Bps=algbw * self.bus, samples=16, gap_s=gap)
         payload: dict[str, Any] = {"rank": self.rank, "group": self.group, "seq": self.seq,
                                    "t_wall": now, "dropped": self.dropped, "steps": [step]}
         if with_samples:
@@ -226,15 +234,71 @@ class RankStream:
         return payload
 
 
+class PatchedStream:
+    """A :class:`RankStream`'s two batches (with and without samples) encoded once, then
+    patched in place for each batch: its ``seq``, its step number and the wall times
+    (fixed-width msgpack fields found by sentinel values). About a microsecond a batch,
+    so a generator process plays thousands of ranks; the figures in a rank's batches are
+    its own (from its stream) but repeat from batch to batch, which costs the hub the
+    same to decode and apply."""
+
+    SEQ, STEP = 0xFEEDBEEF, 0xFACEB00C  # > 2**31: msgpack writes them as uint32
+    T_BATCH, T_STEP = 1234567.125, 7654321.375  # float64 sentinels
+
+    def __init__(self, rank: int, world: int, group: str) -> None:
+        import struct
+
+        self._u32, self._f64 = struct.Struct(">I"), struct.Struct(">d")
+        src = RankStream(rank, world, group)
+        self.templates: list[tuple[bytearray, int, int, list[int], int]] = []
+        for with_samples in (True, False):
+            p = src.batch(with_samples)
+            p["seq"], p["t_wall"] = self.SEQ, self.T_BATCH
+            p["steps"][0][0], p["steps"][0][1] = self.STEP, self.T_STEP
+            for table in ("gpu", "host", "mem", "hb"):
+                if table in p:
+                    p[table][0][0] = self.T_BATCH
+            raw = bytearray(wire.encode(wire.KIND_BATCH, p))
+            seq = raw.index(b"\xce" + self._u32.pack(self.SEQ)) + 1
+            step = raw.index(b"\xce" + self._u32.pack(self.STEP)) + 1
+            marker = b"\xcb" + self._f64.pack(self.T_BATCH)
+            times, at = [], raw.find(marker)
+            while at >= 0:
+                times.append(at + 1)
+                at = raw.find(marker, at + 1)
+            t_step = raw.index(b"\xcb" + self._f64.pack(self.T_STEP)) + 1
+            self.templates.append((raw, seq, step, times, t_step))
+        self.seq = self.step = 0
+        self.dropped = 0
+
+    def next(self, with_samples: bool) -> bytes:
+        """The next batch frame (header and body)."""
+        raw, seq, step, times, t_step = self.templates[0 if with_samples else 1]
+        self.seq += 1
+        now = time.time()
+        self._u32.pack_into(raw, seq, self.seq)
+        self._u32.pack_into(raw, step, self.step)
+        for at in times:
+            self._f64.pack_into(raw, at, now)
+        self._f64.pack_into(raw, t_step, now - PERIOD_S)
+        self.step += 1
+        return bytes(raw)
+
+
 # Step rows at 100k+/s: fixed-width msgpack (uint32/uint64/float64 with their type tags)
 # laid out by a numpy record dtype, so a batch of rows is filled by a few vector ops.
 _INT_FIELDS = {"step": "u4", "comm_bytes": "u8", "comm_calls": "u4", "samples": "u4"}
 _TAG = {"u4": 0xCE, "u8": 0xCF, "f8": 0xCB}
-_NUM_FIELDS = [f for f in STEP_FIELDS if f != "collectives"]  # collectives: nil (DDP)
-_ROW_DTYPE = np.dtype([("array", "u1")] + [
-    item for f in _NUM_FIELDS
-    for item in ((f"{f}__tag", "u1"), (f, ">" + _INT_FIELDS.get(f, "f8")))]
-    + [("collectives", "u1")])
+#: the step fields these batches fill; any other (collectives: nil for DDP) is nil
+_NUM_FIELDS = ("step", "t_wall", "step_s", "data_wait_s", "compute_s", "gpu_s", "comm_s",
+               "comm_exposed_s", "comm_bytes", "comm_calls", "algbw_Bps", "busbw_Bps",
+               "samples", "gap_s")
+_ROW_HEAD = bytes([0x90 | len(STEP_FIELDS)]) if len(STEP_FIELDS) < 16 else \
+    b"\xdc" + len(STEP_FIELDS).to_bytes(2, "big")  # the row's msgpack array header
+_ROW_DTYPE = np.dtype([("array", f"S{len(_ROW_HEAD)}")] + [
+    item for f in STEP_FIELDS
+    for item in (((f"{f}__tag", "u1"), (f, ">" + _INT_FIELDS.get(f, "f8")))
+                 if f in _NUM_FIELDS else ((f"{f}__nil", "u1"),))])
 
 
 def _array_header(n: int) -> bytes:
@@ -245,13 +309,15 @@ class FastStepBatches:
     """Batches of ``rows`` step records for one rank, encoded without per-row Python."""
 
     def __init__(self, rank: int, world: int, group: str, rows: int) -> None:
-        assert len(STEP_FIELDS) < 16 and 0 < rows < 65536
+        assert 0 < rows < 65536
         self.rng = np.random.default_rng(rank)
         self.rows = np.zeros(rows, dtype=_ROW_DTYPE)
-        self.rows["array"] = 0x90 | len(STEP_FIELDS)
-        for f in _NUM_FIELDS:
-            self.rows[f"{f}__tag"] = _TAG[_INT_FIELDS.get(f, "f8")]
-        self.rows["collectives"] = 0xC0  # msgpack nil
+        self.rows["array"] = _ROW_HEAD
+        for f in STEP_FIELDS:
+            if f in _NUM_FIELDS:
+                self.rows[f"{f}__tag"] = _TAG[_INT_FIELDS.get(f, "f8")]
+            else:
+                self.rows[f"{f}__nil"] = 0xC0  # msgpack nil
         self.rows["comm_bytes"], self.rows["comm_calls"], self.rows["samples"] = COMM_BYTES, 112, 16
         self.n, self.bus, self.step, self.seq = rows, 2 * (world - 1) / world, 0, 0
         pk = msgpack.packb
@@ -293,6 +359,11 @@ def check_frames() -> None:
     assert step["step"] == 0 and step["comm_bytes"] == COMM_BYTES and step["samples"] == 16
     assert abs(step["step_s"] - step["data_wait_s"] - step["compute_s"] - step["comm_exposed_s"]
                - step["gap_s"]) < 1e-9 and step["busbw_Bps"] > step["algbw_Bps"]
+    patched = PatchedStream(3, 8, "g")
+    for k in range(3):
+        q = wire.decode_body(patched.next(with_samples=k % 2 == 0)[wire.HEADER_BYTES:]).payload
+        assert q["seq"] == k + 1 and q["steps"][0][0] == k and q["rank"] == 3, q
+        assert abs(q["t_wall"] - time.time()) < 5 and ("gpu" in q) == (k % 2 == 0), q
     frame = FastStepBatches(3, 8, "g", 20).next()
     got = wire.decode_body(frame[wire.HEADER_BYTES:])
     q = got.payload
@@ -521,11 +592,12 @@ class Generator:
     async def send_job(self, conns: list[Conn]) -> None:
         """Phase 1: every rank one batch per period, in its own slot of the period."""
         world = self.o["ranks"]
-        streams = {c.rank: RankStream(c.rank, world, f"{JOB}-g0") for c in conns}
+        streams = {c.rank: PatchedStream(c.rank, world, f"{JOB}-g0") for c in conns}
         loop = asyncio.get_running_loop()
-        # each rank owns a slot of the period, spread over all ranks of all generators;
+        # each rank owns a slot of the period, at random as each rank's sender thread
+        # keeps its own (so a node's ranks are spread over it too, as a relay sees them);
         # loop.time() is CLOCK_MONOTONIC, shared by the processes, so the slots line up
-        order = sorted((c.rank / world * PERIOD_S, c.rank, c) for c in conns)
+        order = sorted((random.Random(c.rank).random() * PERIOD_S, c.rank, c) for c in conns)
         self.c.set(C_READY, 1)
         t0 = math.ceil(loop.time() / PERIOD_S + 1) * PERIOD_S
         tick, lag_max, high_water = 0, 0.0, self.o["backlog_bytes"]
@@ -551,7 +623,7 @@ class Generator:
                     stream.dropped += 1  # like the collectors: never queue without bound
                     self.c.add(C_DROPPED)
                     continue
-                data = wire.encode(wire.KIND_BATCH, stream.batch(with_samples=tick % 2 == 0))
+                data = stream.next(with_samples=tick % 2 == 0)
                 w.write(data)
                 self.c.add(C_STEPS)
                 self.c.add(C_FRAMES)
