@@ -177,7 +177,9 @@ def test_truncated_recording_replays_up_to_the_last_whole_frame(tmp_path):
     port, token, record = free_port(), "cut-token", tmp_path / "run.rtop"
     hub = start_serve(port, token, record)
     try:
-        run_local(WorkloadSpec(world_size=2, steps=40, dim=64, hidden=128,
+        # a few seconds: the hub writes its recording a block a second, and a cut loses
+        # the block it falls in
+        run_local(WorkloadSpec(world_size=2, steps=40, duration_s=4.0, dim=64, hidden=128,
                                hub=f"127.0.0.1:{port}", token=token), timeout_s=120)
     finally:
         stop(hub)
@@ -190,7 +192,8 @@ def test_truncated_recording_replays_up_to_the_last_whole_frame(tmp_path):
     assert report["run"]["truncated"]
     assert "truncated" in report["run"]["warnings"][0]
     assert report["run"]["frames"] < whole["run"]["frames"]
-    assert 0 < sum(r["steps"] for r in report["ranks"]) < 80
+    assert 0 < sum(r["steps"] for r in report["ranks"]) < \
+        sum(r["steps"] for r in whole["ranks"])
     proc = subprocess.run([*RTOP, "report", str(cut)], capture_output=True, text=True)
     assert proc.returncode == 0 and "truncated" in proc.stdout + proc.stderr
     garbage = tmp_path / "garbage.rtop"

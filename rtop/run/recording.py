@@ -1,5 +1,12 @@
 """Reading a recording: every whole frame, up to a truncated tail, into a RunState.
 
+Two formats are read, told apart by the file's first bytes: the block format the hub
+writes now (:mod:`rtop.run.blocks`: columnar, compressed blocks, each checksummed), and
+the older one (a wire frame after another, as every earlier rtop wrote). Either way a
+recording cut short (a killed hub, a full disk, one still being written) is read up to
+its last whole frame, or block, with a warning; a damaged block is skipped with a
+warning and reading goes on from the next whole one.
+
 Also what counts as a secret in a frame (:func:`is_secret_key`, :func:`scrub`), which
 the recorder never writes. Reading yields frames as recorded: a recording made by an
 earlier rtop holds each rank's token in its hello, and is as secret as the token.
@@ -18,6 +25,8 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from collectors import wire
+from rtop.run import blocks
+from rtop.run.blocks import BlockError, BlockInfo
 from rtop.run.state import RunState
 from rtop.run.validate import ProtocolError
 
@@ -107,6 +116,12 @@ class ReadResult:
     size_bytes: int = 0
     #: the hub's time at the last whole frame (None: no frame held a time)
     last_t_hub: float | None = None
+    #: the recording is in the block format (:mod:`rtop.run.blocks`), not a frame after
+    #: another
+    blocks: bool = False
+    #: damaged stretches skipped (a block or more: reading went on from the next whole
+    #: block after each)
+    damaged: int = 0
 
     def cut(self) -> str | None:
         """Where and how the recording ends, in words, if the hub did not close it
@@ -115,25 +130,47 @@ class ReadResult:
             return None
         when = "" if self.last_t_hub is None else f", last hub time {_stamp(self.last_t_hub)}"
         if self.truncated:
+            inside = " (in a block of frames cut short or damaged)" if self.blocks else ""
             return (f"recording ends mid-frame at byte {self.end_byte:,} of "
-                    f"{self.size_bytes:,}{when}, after {self.frames:,} whole frames; the "
-                    f"hub stopped without closing it (killed, or its disk filled or "
-                    f"became unwritable: its log says), or is still writing it")
+                    f"{self.size_bytes:,}{inside}{when}, after {self.frames:,} whole "
+                    f"frames; the hub stopped without closing it (killed, or its disk "
+                    f"filled or became unwritable: its log says), or is still writing it")
         return (f"recording ends at byte {self.end_byte:,}{when}, after {self.frames:,} "
                 f"whole frames, with no end mark; the hub stopped without closing it "
                 f"(killed, or its disk became unwritable: its log says), or is still "
                 f"writing it")
 
 
-def read(path: str | Path, result: ReadResult | None = None
-         ) -> Iterator[tuple[float, wire.Frame]]:
-    """Yield ``(t_hub, frame)`` for each whole frame of a recording.
+def is_blocks(path: str | Path) -> bool:
+    """Whether a recording is in the block format (by its first bytes; a file cut
+    inside them counts)."""
+    with open(path, "rb") as f:
+        head = f.read(len(blocks.FILE_MAGIC))
+    return bool(head) and blocks.FILE_MAGIC.startswith(head)
 
-    A recording still being written, or cut short by a killed hub, ends inside a frame:
-    reading stops at the last whole frame and a warning is added to ``result``. A
-    recording that is not an rtop recording at all raises :class:`wire.WireError`.
+
+def read(path: str | Path, result: ReadResult | None = None, *,
+         start: BlockInfo | None = None) -> Iterator[tuple[float, wire.Frame]]:
+    """Yield ``(t_hub, frame)`` for each whole frame of a recording, in either format.
+
+    A recording still being written, or cut short by a killed hub, ends inside a frame
+    (or a block): reading stops at the last whole one and a warning is added to
+    ``result``. A recording that is not an rtop recording at all raises
+    :class:`wire.WireError`. ``start``: a block of a block-format recording
+    (:func:`index`) to read from instead of the first one (the frames before it are
+    not read).
     """
     res = result if result is not None else ReadResult()
+    if is_blocks(path):
+        yield from _read_blocks(path, res, start)
+    elif start is not None:
+        raise ValueError(f"{path} is not in the block format: it is read from its start")
+    else:
+        yield from _read_frames(path, res)
+
+
+def _read_frames(path: str | Path, res: ReadResult) -> Iterator[tuple[float, wire.Frame]]:
+    """The older format: a wire frame after another."""
     t_hub = 0.0
     with open(path, "rb") as f:
         res.size_bytes = os.fstat(f.fileno()).st_size
@@ -158,25 +195,192 @@ def read(path: str | Path, result: ReadResult | None = None
                 return
             if frame is None:
                 return
-            if first and frame.kind != wire.KIND_RUN:
-                raise wire.WireError(f"{path} is not an rtop recording (no run header)")
             if first:
-                hub = frame.payload.get("hub")
-                started = hub.get("started") if isinstance(hub, dict) else None
-                if _finite_time(started):
-                    t_hub = float(started)
+                t_hub = _first(path, frame, t_hub)
             first = False
-            res.frames += 1
+            t_hub = _count(res, frame, t_hub)
             res.end_byte = f.tell()
             res.size_bytes = max(res.size_bytes, res.end_byte)
-            res.closed = frame.kind == KIND_END
-            if frame.kind in (wire.KIND_CLOCK, KIND_END):
-                t = frame.payload.get("t_hub")
-                if _finite_time(t):  # a forged inf or NaN keeps the last good time
-                    t_hub = float(t)
-            if t_hub > 0:
-                res.last_t_hub = t_hub
             yield t_hub, frame
+
+
+def _first(path: str | Path, frame: wire.Frame, t_hub: float) -> float:
+    """The hub's time a recording starts at, from its first frame (which must be the
+    run header)."""
+    if frame.kind != wire.KIND_RUN:
+        raise wire.WireError(f"{path} is not an rtop recording (no run header)")
+    t = started(frame)
+    return t if t is not None else t_hub
+
+
+def started(frame: wire.Frame) -> float | None:
+    """When the hub that wrote a recording started, from its run header (None: not
+    said, or no time)."""
+    hub = frame.payload.get("hub")
+    t = hub.get("started") if isinstance(hub, dict) else None
+    return float(t) if _finite_time(t) else None
+
+
+def _count(res: ReadResult, frame: wire.Frame, t_hub: float) -> float:
+    """Note a frame read in ``res``; the hub's time from then on."""
+    res.frames += 1
+    res.closed = frame.kind == KIND_END
+    if frame.kind in (wire.KIND_CLOCK, KIND_END):
+        t = frame.payload.get("t_hub")
+        if _finite_time(t):  # a forged inf or NaN keeps the last good time
+            t_hub = float(t)
+    if t_hub > 0:
+        res.last_t_hub = t_hub
+    return t_hub
+
+
+def _warn(res: ReadResult, msg: str) -> None:
+    res.warnings.append(msg)
+    log.warning("%s", msg)
+
+
+def _read_blocks(path: str | Path, res: ReadResult, start: BlockInfo | None
+                 ) -> Iterator[tuple[float, wire.Frame]]:
+    """The block format (:mod:`rtop.run.blocks`)."""
+    res.blocks = True
+    with open(path, "rb") as f:
+        size = res.size_bytes = os.fstat(f.fileno()).st_size
+        at = res.end_byte = len(blocks.FILE_MAGIC) if start is None else start.offset
+        t_hub = 0.0 if start is None or blocks.finite(start.t_start) is None \
+            else start.t_start
+        first = start is None
+        if size < at:  # cut inside its first bytes
+            res.truncated, res.end_byte = True, 0
+            _warn(res, f"{path}: truncated inside its first {len(blocks.FILE_MAGIC)} bytes "
+                       f"({size} of them written): no frame to read")
+            return
+        while at < size:
+            try:
+                frames, info = _block_at(f, at, size)
+            except BlockError as exc:
+                nxt = blocks.find_next(f, size, at)
+                if nxt is None:
+                    res.truncated = True
+                    _warn(res, f"{path}: corrupt after {res.frames} whole frames ({exc}); "
+                               f"read up to the last whole block")
+                    return
+                res.damaged += 1
+                _warn(res, f"{path}: {exc}: its frames are skipped; read on from the "
+                           f"next whole block, at byte {nxt.offset:,}")
+                first, at = False, nxt.offset
+                if _finite_time(nxt.t_start):  # its clocks are lost: the next one's says
+                    t_hub = nxt.t_start
+                continue
+            if frames is None:
+                res.truncated = True
+                _warn(res, f"{path}: truncated after {res.frames} whole frames (the file "
+                           f"ends inside the block at byte {at:,}: {size - at:,} of its "
+                           f"bytes written) at byte {res.end_byte}; read up to the last "
+                           f"whole block")
+                return
+            at = info.end
+            for frame in frames:
+                if first:
+                    t_hub = _first(path, frame, t_hub)
+                    first = False
+                t_hub = _count(res, frame, t_hub)
+                yield t_hub, frame
+            res.end_byte = at
+            first = False
+
+
+def _block_at(f: Any, at: int, size: int) -> tuple[list[wire.Frame] | None, BlockInfo]:
+    """The frames of the block at byte ``at`` (None: the file ends inside it); raises
+    :class:`BlockError` for a damaged one."""
+    if at + blocks.HEADER_BYTES > size:
+        return None, BlockInfo(at, 0, 0, math.nan, math.nan, -1, 0, 0, 0)
+    f.seek(at)
+    info = blocks.parse_header(f.read(blocks.HEADER_BYTES), at)
+    if info.end > size:
+        return None, info
+    body = blocks.read_body(f, info)
+    if body is None:
+        return None, info
+    return blocks.decode_body(blocks.decompress(body, info), info), info
+
+
+def index(path: str | Path) -> list[BlockInfo]:
+    """The blocks of a block-format recording, read from their headers alone (their
+    bodies are neither read nor checked); a damaged stretch is stepped over to the
+    next whole block. Empty for a recording of the older format."""
+    if not is_blocks(path):
+        return []
+    out: list[BlockInfo] = []
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        at = len(blocks.FILE_MAGIC)
+        while at < size:
+            out.extend(blocks.scan(f, size, at))
+            at = out[-1].end if out and out[-1].end > at else at
+            if at >= size:
+                break
+            nxt = blocks.find_next(f, size, at)
+            if nxt is None:
+                break
+            at = nxt.offset
+    return out
+
+
+def block_frames(path: str | Path, info: BlockInfo) -> list[wire.Frame]:
+    """The frames of one block (:func:`index`); raises :class:`BlockError` when it is
+    damaged or cut."""
+    with open(path, "rb") as f:
+        frames, _ = _block_at(f, info.offset, os.fstat(f.fileno()).st_size)
+    if frames is None:
+        raise BlockError(f"{path}: the file ends inside the block at byte {info.offset:,}")
+    return frames
+
+
+def rare_frames(path: str | Path) -> Iterator[wire.Frame]:
+    """The frames of a block-format recording's blocks that hold more than batches and
+    clocks (``blocks.RARE``: hellos, goodbyes, closed connections, ...), every frame of
+    those blocks, in order; damaged blocks are skipped. Nothing for the older format."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        for info in index(path):
+            if info.flags & blocks.RARE:
+                try:
+                    frames, _ = _block_at(f, info.offset, size)
+                except BlockError:
+                    continue
+                yield from frames or ()
+
+
+def plain_bytes(path: str | Path) -> bytes:
+    """What a recording holds, as stored but decompressed: the file itself in the older
+    format, every whole block's decompressed body in the block format (to search for
+    what must never be written: a secret)."""
+    if not is_blocks(path):
+        return Path(path).read_bytes()
+    parts = []
+    with open(path, "rb") as f:
+        for info in index(path):
+            body = blocks.read_body(f, info)
+            if body is not None:
+                parts.append(blocks.decompress(body, info))
+    return b"".join(parts)
+
+
+def span(path: str | Path) -> tuple[float | None, float | None]:
+    """``(start, end)`` hub times of a block-format recording, from its first block's
+    run header and its last block's header."""
+    blocks_ = index(path)
+    start = end = None
+    if blocks_:
+        try:
+            head = block_frames(path, blocks_[0])
+        except BlockError:
+            head = []
+        if head and head[0].kind == wire.KIND_RUN:
+            start = started(head[0])
+        ends = [b.t_end for b in blocks_ if _finite_time(b.t_end)]
+        end = ends[-1] if ends else None
+    return start, end
 
 
 def _stamp(t: float) -> str:

@@ -36,6 +36,7 @@ from collectors.discovery import pid_alive, read_private_file, runtime_dir
 from collectors.identity import Identity
 from collectors.spool import KIND_SPOOL, KIND_SPOOL_END, SPOOL_PREFIX, SPOOL_SUFFIX
 from rtop.fmt import fmt_age, fmt_size
+from rtop.run.recording import is_blocks, rare_frames
 from rtop.run.state import RankState, RunState
 from rtop.run.validate import ProtocolError, clean_identity
 
@@ -472,10 +473,17 @@ _HELLO_BODY = b"\x92\xa5hello"
 
 def recorded_ranks(path: str | Path) -> set[tuple[str, int, str, int]]:
     """The rank processes (:func:`rank_key`) that said hello in a recording, found by
-    decoding its hello frames only (every other frame is skipped by its length), up to
-    its end or the first damage. Never raises."""
+    decoding its hello frames only (every other frame is skipped by its length; in the
+    block format, only the blocks that hold hellos are read), up to its end or the first
+    damage. Never raises."""
     found: set[tuple[str, int, str, int]] = set()
     try:
+        if is_blocks(path):  # the block format: the blocks that hold hellos
+            for frame in rare_frames(path):
+                with contextlib.suppress(ProtocolError):
+                    if frame.kind == wire.KIND_HELLO:
+                        found.add(rank_key(clean_identity(frame.payload.get("identity"))))
+            return found
         with open(path, "rb") as f:
             while True:
                 head = f.read(wire.HEADER_BYTES)

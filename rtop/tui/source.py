@@ -22,7 +22,8 @@ from collectors import wire
 from rtop.analysis import AnalysisConfig, Monitor
 from rtop.analysis.viewport import ViewRequest, viewport
 from rtop.fmt import fmt_duration
-from rtop.run.recording import ReadResult, read
+from rtop.run.recording import ReadResult, is_blocks, read, span
+from rtop.run.seek import Seeker
 from rtop.run.snapshot import HubInfo, RankDetail, ReplayInfo, Snapshot
 from rtop.run.state import RunState
 from rtop.run.validate import ProtocolError
@@ -140,7 +141,10 @@ _CLOCK_MARK = b"\x92\xa5clock"  # the start of a msgpack ["clock", {...}] body
 
 
 def recording_span(path: str | Path) -> tuple[float | None, float | None]:
-    """``(start, end)`` hub times of a recording, read from its head and tail only."""
+    """``(start, end)`` hub times of a recording, read from its head and tail only (of
+    the block format: its first block and its blocks' headers)."""
+    if is_blocks(path):
+        return span(path)
     start = end = None
     with open(path, "rb") as f:
         try:
@@ -192,6 +196,12 @@ class ReplaySource(Source):
     #: seeking: frames older than this before the target skip the rolling windows
     #: (they would be pushed out by newer ones; 1,200 steps at 2 steps/s is 600 s)
     HISTORY_S = 900.0
+    #: seeking in a recording of the block format: jump (:meth:`jump`) rather than play
+    #: up to the target when more frames than this lie between (about 0.4 s of work)
+    JUMP_FRAMES = 8_000
+    #: ... and, after a jump, diagnose the last this many seconds before the target (an
+    #: evaluation of a thousand ranks costs tens of milliseconds)
+    JUMP_ANALYSE_S = 1.0
 
     def __init__(self, path: str | Path, thresholds: AnalysisConfig | None = None,
                  speed: float = 1.0, paused: bool = False) -> None:
@@ -201,6 +211,8 @@ class ReplaySource(Source):
         self.thresholds = thresholds or AnalysisConfig.load()
         self._speed, self._paused = speed, paused
         self.start, self.end = recording_span(self.path)
+        #: jumps in a recording of the block format (None: the older format)
+        self._seeker = Seeker(self.path) if is_blocks(self.path) else None
         self._seek: tuple[str, float] | None = None
         self._lock = threading.Lock()
         self.position = 0.0  # seconds since the recording started
@@ -364,13 +376,49 @@ class ReplaySource(Source):
         t0 = self._t0 or 0.0
         if what == "time":
             target = t0 + value
-            if target < self._now:
-                self._open()
-            # the diagnosis needs a little history: analyse the last 15 s before the target
-            self._advance(until=target, analyse_from=target - 15.0)
+            if not self._jumps_to(target):
+                if target < self._now:
+                    self._open()
+                # the diagnosis needs a little history: analyse the last 15 s before it
+                self._advance(until=target, analyse_from=target - 15.0)
         else:
-            if self._max_step() >= value:
+            at = self._seeker.time_of_step(int(value)) if self._seeker else None
+            if (at is None or not self._jumps_to(at)) and self._max_step() >= value:
                 self._open()
             self._advance(until=None, step=int(value))
         post(SourceStatus(f"replay · {self.path.name}"))
+
+    def _jumps_to(self, target: float) -> bool:
+        """Jump to hub time ``target`` (:meth:`jump`) when playing up to it from here
+        (or from the start, back) would take longer; whether it did."""
+        seeker = self._seeker
+        if seeker is None:
+            return False
+        seeker.refresh()  # a recording still being written has grown
+        ahead = seeker.frames_between(self._now if target >= self._now else -math.inf,
+                                      target)
+        return ahead > self.JUMP_FRAMES and self.jump(target - (self._t0 or 0.0))
+
+    def jump(self, seconds: float) -> bool:
+        """Make the state ``seconds`` into the recording at once (a recording of the
+        block format: :mod:`rtop.run.seek`), paused or playing on from there; False (and
+        nothing changed) for a recording of the older format. The rolling windows then
+        hold the last seconds before it, and fill as the replay plays on."""
+        if self._seeker is None:
+            return False
+        self._open()
+        target = (self._t0 or 0.0) + max(0.0, seconds)
+        plan = self._seeker.jump(target)
+        if plan.start is not None:
+            for t, frame in plan.frames:
+                try:
+                    self.monitor.apply(frame, t, history=False)
+                except ProtocolError:
+                    self.state.bad_frames += 1
+            if math.isfinite(plan.t):
+                self.monitor.advance(plan.t, diagnose=False)
+                self._now = max(self._now, plan.t)
+            self._frames = read(self.path, self.result, start=plan.start)
+        self._advance(until=target, analyse_from=target - self.JUMP_ANALYSE_S)
+        return True
 
