@@ -27,7 +27,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 UNITS = r"(?P<unit>us|µs|ms|s|Hz|MB|GB|%|x)(?=[\s,;)]|$)"
 NUMBER = r"(?P<value>[-+]?\d[\d,]*(?:\.\d+)?)\s?"
-FIGURE = re.compile(r"^\s*(?P<label>\S.*?)(?::\s+|\s{2,})" + NUMBER + UNITS)
+#: up to two lower-case words may stand between a label and its number ("hub CPU   median
+#: 32% of one core", "snapshot  build median 32 ms"): they are part of the label
+FIGURE = re.compile(r"^\s*(?P<label>\S.*?)(?::\s+|\s{2,})(?P<words>(?:[a-z]+ ){0,2})" + NUMBER
+                    + UNITS)
 MORE = re.compile(r"(?<=\s)" + NUMBER + UNITS)
 
 
@@ -41,7 +44,7 @@ def figures(output: str) -> dict[str, tuple[float, str]]:
         m = FIGURE.match(line)
         if m is None:
             continue
-        label = " ".join(m["label"].rstrip(":").split())
+        label = " ".join((m["label"].rstrip(":") + " " + m["words"]).split())
         if not label or label in out:
             continue
         out[label] = (float(m["value"].replace(",", "")), m["unit"])
