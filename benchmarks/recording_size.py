@@ -16,8 +16,10 @@ It prints:
 
 1. the bytes per hour at ``--ranks`` ranks, old format (a wire frame after another)
    against the block format (rounded measurements, the default; and exact), their
-   ratio, the recorder's CPU per second of recording in each, and read speed (every
-   frame back through :func:`rtop.run.recording.read`);
+   ratio, the recorder's CPU per second of recording in each (given each frame decoded,
+   as the hub gives it; and decoding each frame again, as a caller that gives bytes
+   alone makes it), and read speed (every frame back through
+   :func:`rtop.run.recording.read`);
 2. compressors compared on the same blocks (``--codec-seconds`` of them): zlib and lzma
    from the standard library and zstandard at several levels, each on the columnar
    bodies (and zstandard on the old format's bytes, without columns): ratio to the old
@@ -109,23 +111,27 @@ def traffic(ranks: int, seconds: float, seed: int = 0) -> Iterator[Item]:
                                     "rtt_s": 0.0002 + 0.0004 * rng.random()}
 
 
-def record(path: Path, items: list[Item] | Iterator[Item], **kw: Any) -> float:
+def record(path: Path, items: list[Item] | Iterator[Item], decoded: bool = False,
+           **kw: Any) -> float:
     """Write ``items`` through a Recorder (flushed each second of hub time, closed at
     the end); the CPU seconds it took (the recorder's alone when ``items`` is a list
-    made beforehand)."""
+    made beforehand). ``decoded``: give the recorder each frame decoded too, as the hub
+    does (decoded here beforehand, outside the time measured)."""
     if path.exists():
         path.unlink()
+    frames = [wire.decode_body(memoryview(data)[wire.HEADER_BYTES:]) if kind == "raw"
+              else None for _, kind, data in items] if decoded else None
     info = {"hub": {"version": "bench", "address": "10.0.0.1:7077", "pid": 1,
                     "started": T0}, "job": hub_scale.JOB}
     c0 = time.process_time()
     rec = Recorder(path, info, **kw)
     next_flush = T0 + 1.0
-    for t, kind, data in items:
+    for i, (t, kind, data) in enumerate(items):
         if t >= next_flush:
             rec.flush()
             next_flush = t - (t - T0) % 1.0 + 1.0
         if kind == "raw":
-            rec.raw(data, t)
+            rec.raw(data, t, frames[i] if frames is not None else None)
         else:
             rec.frame(kind, data, t)
     rec.close()
@@ -175,8 +181,9 @@ def sizes(args: argparse.Namespace, tmp: Path, items: list[Item]) -> int:
           f"({len(items):,} frames; per hour = x {3600 / secs:g})")
     rows = []
     for name, kw in (("old format (wire frames)", {"legacy": True}),
-                     ("blocks, measurements rounded (default)", {}),
-                     ("blocks, exact", {"rounded": False})):
+                     ("blocks, rounded (default), as the hub", {"decoded": True}),
+                     ("blocks, rounded, frames decoded again", {}),
+                     ("blocks, exact", {"rounded": False, "decoded": True})):
         path = tmp / f"{name.split()[0]}-{len(rows)}.rtop"
         cpu = record(path, items, **kw)
         size = path.stat().st_size

@@ -22,9 +22,10 @@ import pytest
 
 from collectors import wire
 from collectors.figures import FIGURES
-from collectors.schema import TABLES
+from collectors.schema import STEP_FIELDS, TABLES
 from rtop import fleetsim
 from rtop.hub.recorder import Recorder
+from rtop.hub.service import ThreadedHub
 from rtop.report import build_report
 from rtop.run import blocks, seek
 from rtop.run.columns import MEASURE_BITS
@@ -40,10 +41,13 @@ from rtop.run.recording import (
 from rtop.run.spool import KIND_SPOOL_BEGIN_REC, KIND_SPOOL_END_REC, recorded_ranks
 from rtop.run.state import KIND_JOB_EXIT, KIND_LINKS
 from rtop.tui.source import ReplaySource
+from tests import waiting
+from tests.rankclient import RankClient, step_row
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Snapshot figures made from a rank's whole rolling window (quantiles over it).
 WINDOWED = {f.name for f in FIGURES if f.quantile is not None}
+STEP_DATA = STEP_FIELDS.index("data_wait_s")
 FIXTURES = sorted((ROOT / "tests" / "fixtures").glob("*.rtop"))
 END_T = 1_900_000_000.0  # the end mark's time in re-recordings (the same in both formats)
 
@@ -462,6 +466,37 @@ def test_sync_puts_everything_given_in_the_file(tmp_path):
         ["run"] + ["clock", "offset"] * 5
     rec.close()
     assert [k for _, k, _ in frames_of(path)][-1] == "end"
+
+
+def test_a_real_hub_records_what_its_state_took(tmp_path):
+    """Through a real hub (which gives the recorder each frame as it decoded and
+    checked it): a rank's frames come back as the hub's state took them (an older
+    collector's short step row padded with None, a number that is no number made None),
+    the exact ones exactly; a frame the hub refused is not recorded."""
+    path = tmp_path / "run.rtop"
+    hub = ThreadedHub(record=str(path), token="t" * 24).start()
+    try:
+        r = RankClient(hub.address, hub.token, 0, world=1)
+        assert r.recv().kind == wire.KIND_WELCOME
+        short = step_row(0)[:-1]  # no "collectives": an older collector's row
+        odd = step_row(1)
+        odd[STEP_DATA] = math.inf
+        r.send(wire.KIND_BATCH, {"rank": 0, "group": r.group, "seq": 1, "t_wall": 1.5,
+                                 "dropped": 0, "steps": [short, odd]})
+        r.send(wire.KIND_BATCH, {"rank": 0, "group": r.group, "seq": 2, "steps": "bad"})
+        assert waiting.wait_for(lambda: hub.call(lambda h: h.state.step_records) == 2,
+                                timeout=10)
+    finally:
+        hub.stop()
+    batches = [p for _, k, p in frames_of(path) if k == wire.KIND_BATCH]
+    assert len(batches) == 1  # the refused one was not recorded
+    rows = batches[0]["steps"]
+    assert len(rows[0]) == len(STEP_FIELDS) and rows[0][-1] is None  # padded
+    assert close_enough(rows[0], [*short, None], "steps") == []
+    assert rows[1][STEP_DATA] is None
+    assert rows[0][1] == short[1] and batches[0]["t_wall"] == 1.5  # times: exact
+    odd[STEP_DATA] = None
+    assert close_enough(rows[1], odd, "steps") == []
 
 
 def test_rtop_report_and_the_spool_scan_read_the_block_format(tmp_path):

@@ -79,7 +79,7 @@ class _FrameSink:
         self._f = f
         self.bytes = 0
 
-    def add(self, data: bytes) -> None:
+    def add(self, data: bytes, frame: wire.Frame | None = None) -> None:
         self._f.write(data)
         self.bytes += len(data)
 
@@ -95,7 +95,8 @@ class _BlockSink:
         self._f = f
         self._writer = blocks.BlockWriter()
         self._rounded = rounded
-        self._bodies: list[bytes] = []
+        #: each frame's body, or the frame itself when the caller gave it decoded
+        self._bodies: list[bytes | wire.Frame] = []
         self._waiting = 0
         self._t = math.nan  # the hub's time in effect at the next block's first frame
         self._stepped: set[Any] = set()  # the ranks seen with steps (blocks.FIRST)
@@ -103,8 +104,8 @@ class _BlockSink:
         #: frames that could not be decoded again to be laid out (never from a hub)
         self.undecodable = 0
 
-    def add(self, data: bytes) -> None:
-        self._bodies.append(data[wire.HEADER_BYTES:])
+    def add(self, data: bytes, frame: wire.Frame | None = None) -> None:
+        self._bodies.append(data[wire.HEADER_BYTES:] if frame is None else frame)
         self._waiting += len(data)
         if self._waiting >= BLOCK_BYTES:
             self.flush()
@@ -113,6 +114,9 @@ class _BlockSink:
         out = []
         unpackb = msgpack.unpackb
         for body in self._bodies:
+            if type(body) is wire.Frame:
+                out.append((body.kind, body.payload))
+                continue
             try:
                 obj = unpackb(body, raw=False, strict_map_key=False)
             except Exception:  # msgpack raises several types: a frame that never decoded
@@ -226,12 +230,12 @@ class Recorder:
             self._told.add(key)
             log.warning(msg, *args)
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes, frame: wire.Frame | None = None) -> None:
         if self.failed or self._f.closed:
             return
         try:
             self.frames += 1
-            self._sink.add(data)
+            self._sink.add(data, frame)
             self.bytes = self._sink.bytes
         except (OSError, ValueError) as exc:  # disk full, closed: keep serving viewers
             self._stop(exc)
@@ -246,13 +250,14 @@ class Recorder:
             self._last_clock = t_hub
             self._write(wire.encode(wire.KIND_CLOCK, {"t_hub": t_hub}))
 
-    def raw(self, data: bytes, t_hub: float) -> None:
-        """A frame as a rank sent it (header and body), byte for byte unless it holds a
-        secret (see the module's docstring)."""
+    def raw(self, data: bytes, t_hub: float, frame: wire.Frame | None = None) -> None:
+        """A frame as a rank sent it (header and body), as received unless it holds a
+        secret (see the module's docstring). ``frame``: the same frame as the caller
+        decoded it (the hub's, once its state took it): spares decoding it again."""
         self.clock(t_hub)
         clean = self._clean(data)
         if clean is not None:
-            self._write(clean)
+            self._write(clean, frame if clean is data else None)
 
     def frame(self, kind: str, payload: dict[str, Any], t_hub: float | None) -> None:
         """A frame of the hub's own (secrets taken out all the same)."""

@@ -698,7 +698,7 @@ class Hub:
             self._bad(conn, exc)
             return
         if self.recorder is not None:
-            self.recorder.raw(raw, now)
+            self.recorder.raw(raw, now, frame)  # decoded already: not again
         if frame.kind == wire.KIND_HELLO and rs is not None:
             conn.rank = rs
             self._take_slot(conn, rs)
