@@ -67,5 +67,12 @@ reliability: $(STAMP)
 accuracy: $(STAMP)
 	$(PY) benchmarks/diagnosis_accuracy.py $(ACCURACY_ARGS)
 
+# The README's screenshots (screenshots/*.svg): the real UI on the recorded runs of
+# tests/fixtures and on simulated fleets of 1,024 and 16,384 ranks (their recordings are
+# cached under ~/.cache/rtop/screenshots; the first 16,384-rank one takes ~10 minutes).
+# SCREENSHOTS="fleet-1024 help" makes only those.
+screenshots: $(STAMP)
+	$(PY) screenshots/make.py $(SCREENSHOTS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

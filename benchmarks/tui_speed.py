@@ -42,10 +42,23 @@ and the compositor. The first frame must contain a rank's node name (checked).
    and a seek to the end (``ReplaySource.seek(duration)``) until the snapshot there is
    painted, with the worst event-loop stall during the seek.
 
+4. The fleet view (issue 29): simulated fleets of 1,024, 4,096 and 16,384 ranks with a
+   slow node (``rtop.fleetsim``, in nodes of 8), written as recordings (cached under
+   /tmp/rtop-bench) and replayed through the real state and diagnosis to 35 s in. On the
+   hub's side: the full snapshot's build (``Monitor.snapshot``: every rank's row, what
+   every viewer got before, and still the input of each view), the fleet's arrays
+   (``rtop.analysis.viewport.Fleet``, once per snapshot whatever the viewers), and one
+   viewer's view (the fleet screen's: the cursor's node and the top outliers; and a
+   table page of 60 rows) built and encoded; the bytes of each on the wire. On the
+   viewer's side, Pilot-driven as in 1: the app opened on the fleet view, each view's
+   snapshot posted -> its frame painted, and a key (``c``, the next figure; an arrow)
+   -> its frame. Targets: a view of 16,384 ranks <= 1 MB, snapshot -> frame <= 100 ms.
+
 The machine this runs on may be small and shared: medians are the verdicts; the UI
 thread's CPU time is printed beside the wall time, and the load average with them.
 
-    python benchmarks/tui_speed.py [--quick] [--profile]
+    python benchmarks/tui_speed.py [--quick] [--profile] [--fleets 1024,4096,16384]
+        [--only fleet]
 """
 
 from __future__ import annotations
@@ -95,6 +108,8 @@ JOB = "llama-pretrain"  # not in any file name: the pty test looks for it on scr
 CACHE = Path("/tmp/rtop-bench")
 RECORDING_VERSION = 1  # bump when the generator changes: cached files are regenerated
 RENDER_TARGET_MS, RATE_TARGET_HZ, OPEN_TARGET_S = 100.0, 2.0, 2.0
+VIEW_TARGET_BYTES = 1_000_000
+FLEET_AT_S = 35.0  # into a 36 s simulated run: its slow node slowed at 30 s
 
 _PHASES = ("compute", "compute", "compute", "comm", "data")
 
@@ -616,6 +631,132 @@ def replay_in_pty(path: Path, timeout: float = 60.0) -> tuple[float | None, int 
     return seen, status
 
 
+# ---- 4. the fleet view ---------------------------------------------------------------------------
+
+
+def fleet_monitor(ranks: int) -> tuple[Monitor, Snapshot, float, float]:
+    """A simulated fleet replayed to FLEET_AT_S: its monitor, the full snapshot there, and
+    the seconds writing (0 if cached) and replaying took."""
+    from rtop.fleetsim import FleetSpec
+    from rtop.fleetsim import write_recording as write_fleet
+
+    CACHE.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = CACHE / f"fleet-{ranks}r-slow_node-36s-v{RECORDING_VERSION}.rtop"
+    made = 0.0
+    if not path.exists():
+        t = time.perf_counter()
+        part = path.with_suffix(".part")
+        write_fleet(part, FleetSpec(ranks=ranks, seed=5, duration_s=36.0), "slow_node")
+        part.replace(path)
+        made = time.perf_counter() - t
+    t = time.perf_counter()
+    src = ReplaySource(path)
+    snap, _ = src.snapshot_at(FLEET_AT_S)
+    return src.monitor, snap, made, time.perf_counter() - t
+
+
+def timed(fn: Callable[[], Any], n: int) -> tuple[list[float], Any]:
+    """Seconds of ``n`` calls, and the last result."""
+    out, res = [], None
+    for _ in range(n):
+        t = time.perf_counter()
+        res = fn()
+        out.append(time.perf_counter() - t)
+    return out, res
+
+
+def fleet_hub_side(monitor: Monitor, n: int) -> dict[str, Any]:
+    """What the hub does per view: the full snapshot, the fleet's arrays, a view."""
+    from rtop.analysis.viewport import TOP_K, Fleet, Page, ViewRequest
+
+    res: dict[str, Any] = {}
+    res["full"], full = timed(monitor.snapshot, n)
+    res["full_bytes"] = len(wire.encode(wire.KIND_SNAPSHOT, full))
+    res["fleet"], fleet = timed(lambda: Fleet(full), n)
+    node = fleet.nodes[len(fleet.nodes) // 2]
+    res["screen_req"] = ViewRequest(nodes=(node,), top=TOP_K)
+    res["table_req"] = ViewRequest(top=0, pages={"table": Page(limit=60)})
+    for key in ("screen", "table"):
+        req = res[key + "_req"]
+        res[key], data = timed(lambda r=req: wire.encode(wire.KIND_SNAPSHOT, fleet.view(r)),
+                               n)
+        res[key + "_bytes"] = len(data)
+        # what the viewer gets: the wire round trip
+        res[key + "_snap"] = wire.decode_body(data[wire.HEADER_BYTES:]).payload
+    return res
+
+
+async def fleet_viewer_side(view: dict[str, Any], n: int) -> dict[str, Any]:
+    """The app on the fleet view: each view's snapshot -> its frame, and keys -> frames."""
+    from rtop.tui.fleet import FleetScreen
+    from rtop.tui.heatmap import FleetMap
+
+    snaps = [dict(view) for _ in range(3)]
+    app = make_app(StaticSource(snaps[:1], title="bench", interval_s=3600.0))
+    probe = FrameProbe(app)
+    res: dict[str, Any] = {}
+    async with app.run_test(size=SIZE):
+        probe.arm(lambda: isinstance(app.screen, FleetScreen) and app.screen.data is not None)
+        await probe.wait()
+        await asyncio.sleep(0.3)
+        screen = app.screen
+        assert isinstance(screen, FleetScreen)
+        fmap = screen.query_one(FleetMap)
+        res["folded"] = fmap.map is not None and fmap.map.folded
+        res["lines"] = fmap.map.lines if fmap.map is not None else 0
+        res["frame"], res["frame_cpu"], res["fps"] = await snapshot_to_frame(
+            app, probe, snaps, n, check="p50")
+        res["figure_key"] = await action_to_frame(app, probe, lambda: screen.action_figure(1),
+                                                  max(6, n // 2))
+        res["arrow_key"] = await action_to_frame(app, probe, lambda: fmap.action_move(1, 0),
+                                                 max(6, n // 2))
+        await stop_source(app)
+    return res
+
+
+def fleet_section(sizes: list[int], n: int, rows: list[tuple[str, str, str]]) -> bool:
+    """Section 4; whether the targets were met."""
+    print(f"\n4. fleet view: simulated fleets of {', '.join(f'{r:,}' for r in sizes)} ranks "
+          f"(slow node), replayed to {FLEET_AT_S:.0f} s; {n} snapshots per measure")
+    print(f"   {'ranks':>6} {'full MB':>8} {'hub: full':>10} {'fleet':>7} {'view':>7} "
+          f"{'view kB':>8} {'table kB':>9} | {'snap->frame':>12} {'p90':>6} {'cpu':>6} "
+          f"{'c key':>7} {'arrow':>7}  map")
+    ok = True
+    for ranks in sizes:
+        monitor, _, made, replayed = fleet_monitor(ranks)
+        hub = fleet_hub_side(monitor, max(3, n // 3))
+        viewer = asyncio.run(fleet_viewer_side(hub["screen_snap"], n))
+        med = statistics.median
+        frame = med(viewer["frame"])
+        fits = hub["screen_bytes"] <= VIEW_TARGET_BYTES and \
+            hub["table_bytes"] <= VIEW_TARGET_BYTES
+        fast = frame * 1e3 <= RENDER_TARGET_MS
+        ok = ok and fits and fast
+        print(f"   {ranks:>6} {hub['full_bytes'] / 1e6:>8.2f} {med(hub['full']) * 1e3:>8.0f}ms "
+              f"{med(hub['fleet']) * 1e3:>5.0f}ms {med(hub['screen']) * 1e3:>5.1f}ms "
+              f"{hub['screen_bytes'] / 1e3:>8.0f} {hub['table_bytes'] / 1e3:>9.0f} | "
+              f"{frame * 1e3:>10.1f}ms {pct(viewer['frame'], 0.9) * 1e3:>4.0f}ms "
+              f"{med(viewer['frame_cpu']) * 1e3:>4.0f}ms {med(viewer['figure_key']) * 1e3:>5.1f}ms "
+              f"{med(viewer['arrow_key']) * 1e3:>5.1f}ms  "
+              f"{'nodes' if viewer['folded'] else 'ranks'}, {viewer['lines']} lines"
+              f"   (recording {f'written in {made:.0f} s' if made else 'cached'}, "
+              f"replayed in {replayed:.0f} s)")
+        rows.append((f"fleet view {ranks:,}: view bytes",
+                     f"{hub['screen_bytes'] / 1e3:.0f} kB (table page "
+                     f"{hub['table_bytes'] / 1e3:.0f} kB; full {hub['full_bytes'] / 1e6:.2f} MB)",
+                     verdict(fits)))
+        rows.append((f"fleet view {ranks:,}: snapshot -> frame",
+                     f"{frame * 1e3:.0f} ms (p90 {pct(viewer['frame'], 0.9) * 1e3:.0f}, cpu "
+                     f"{med(viewer['frame_cpu']) * 1e3:.0f})", verdict(fast)))
+        rows.append((f"fleet view {ranks:,}: hub full / fleet / view",
+                     f"{med(hub['full']) * 1e3:.0f} / {med(hub['fleet']) * 1e3:.0f} / "
+                     f"{med(hub['screen']) * 1e3:.1f} ms", "info"))
+        del monitor
+    print(f"   {verdict(ok)}: views <= {VIEW_TARGET_BYTES / 1e6:.0f} MB and snapshot -> frame "
+          f"<= {RENDER_TARGET_MS:.0f} ms at every size")
+    return ok
+
+
 # ---- profiles -----------------------------------------------------------------------------------
 
 
@@ -675,7 +816,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also print cProfile tops of 1,024-rank updates and of a seek")
     ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--fleets", default="1024,4096,16384",
+                    help="fleet sizes of section 4 (comma-separated; '' skips it)")
+    ap.add_argument("--only", choices=("fleet",), help="run only section 4")
     args = ap.parse_args(argv)
+    fleets = [int(x) for x in args.fleets.split(",") if x.strip()]
     n = 10 if args.quick else 30
     rate_s = 5.0 if args.quick else 10.0
     rec_s = 600 if args.quick else 3600
@@ -684,6 +829,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rtop TUI speed  (python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
           f"{load()}, terminal {SIZE[0]}x{SIZE[1]}, headless)"
           f"{'  [quick]' if args.quick else ''}")
+
+    if args.only == "fleet":
+        ok4 = fleet_section(fleets, n, rows)
+        print(f"\nsummary ({load()})")
+        w = max(len(a) for a, _, _ in rows)
+        for a, b, c in rows:
+            print(f"  {a:<{w}}  {b:<44}  {c}")
+        return 0 if ok4 else 1
 
     # 1. render
     t = time.perf_counter()
@@ -796,6 +949,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.append((f"seek to end ({rec_s} s)", f"{seek['seek']:.1f} s", "info"))
     rows.append(("UI stall during seek", f"{seek['seek_stall'] * 1e3:.0f} ms", "info"))
 
+    ok4 = fleet_section(fleets, n, rows) if fleets else True
+
     if args.profile:
         print(f"\nprofile: {n} snapshots of {args.ranks} ranks -> frames (own time)")
         print(asyncio.run(profile_handler(snaps, n)))
@@ -806,7 +961,7 @@ def main(argv: list[str] | None = None) -> int:
     w = max(len(a) for a, _, _ in rows)
     for a, b, c in rows:
         print(f"  {a:<{w}}  {b:<30}  {c}")
-    ok = ok1 and ok2 and ok3
+    ok = ok1 and ok2 and ok3 and ok4
     print(f"  {'overall':<{w}}  {'':<30}  {verdict(ok)}")
     return 0 if ok else 1
 

@@ -77,8 +77,9 @@ HEAT_BY_NAME: Final[dict[str, HeatFigure]] = {h.name: h for h in HEAT}
 #: hundredths, clamped to +-HEAT_CLAMP).
 NOT_MEASURED: Final = -128
 HEAT_CLAMP: Final = 120
-#: Deviations (worse than the median) from which a rank is an outlier at all.
-OUTLIER_FROM: Final = 0.02
+#: Deviations (worse than the median) from which a rank is an outlier at all (the fleet
+#: view's first band: a healthy fleet's noise stays under it).
+OUTLIER_FROM: Final = 0.04
 
 #: A fleet of at most this many ranks gets every row (unless the view says otherwise).
 WHOLE_UP_TO: Final = 128
@@ -517,8 +518,8 @@ class Fleet:
             return idx[::-1] if reverse else idx
         if key == "status":
             keys = [(self.badge(i), self.status_col[i]) for i in range(self.n)]
-            idx = np.array(sorted(range(self.n), key=keys.__getitem__), dtype=np.int64)
-            return idx[::-1] if reverse else idx
+            return np.array(sorted(range(self.n), key=keys.__getitem__, reverse=reverse),
+                            dtype=np.int64)
         v = self.values(_SORT_SOURCE.get(key, key))
         have = np.flatnonzero(np.isfinite(v))
         desc = (key in DESCENDING) != reverse

@@ -140,18 +140,25 @@ class RtopApp(App[int]):
         self.want_view()
 
     def want_view(self) -> None:
-        """Ask the source for the rows the screen on top shows (and the followed
-        rank's)."""
+        """Ask the source for the rows the screens show (each screen's
+        ``view_request()``, the one on top first) and the followed rank's."""
         if not self.screen_stack:
             return
-        want = getattr(self.screen, "view_request", None)
-        view = want() if callable(want) else ViewRequest(top=0)
+        views = []
+        for screen in reversed(self.screen_stack):
+            want = getattr(screen, "view_request", None)
+            if callable(want):
+                with contextlib.suppress(NoMatches):  # not composed yet, or closing
+                    views.append(want())
         rank = self.source.detail_rank
-        if rank is not None and rank not in view.ranks:
-            view = ViewRequest(ranks=(*view.ranks, rank), nodes=view.nodes, top=view.top,
-                               pages=view.pages, every=view.every,
-                               whole_up_to=view.whole_up_to)
-        self.source.want(view)
+        ranks = [*(r for v in views for r in v.ranks), *([rank] if rank is not None else [])]
+        pages = {}
+        for v in reversed(views):  # the top screen's page wins a name both use
+            pages.update(v.pages)
+        self.source.want(ViewRequest(
+            ranks=tuple(dict.fromkeys(ranks)),
+            nodes=tuple(dict.fromkeys(n for v in views for n in v.nodes)),
+            top=max((v.top for v in views), default=0), pages=pages))
 
     def on_detail_received(self, message: DetailReceived) -> None:
         """Hand a rank's detail to the screens that show one."""
@@ -176,7 +183,13 @@ class RtopApp(App[int]):
         """Push a screen; one that shows snapshots gets the latest at once."""
         self.push_screen(screen)
         if self.snapshot is not None and isinstance(screen, SnapshotView):
-            self.call_after_refresh(screen.show_snapshot, self.snapshot)
+            # the latest when it runs: newer snapshots may have been shown by then
+            self.call_after_refresh(self._show_latest, screen)
+
+    def _show_latest(self, screen: SnapshotView) -> None:
+        if self.snapshot is not None:
+            with contextlib.suppress(NoMatches):  # closed already
+                screen.show_snapshot(self.snapshot)
 
     def on_ranks_view_rank_chosen(self, event: RanksView.RankChosen) -> None:
         """Open a rank's detail, and ask the source for it until it closes."""

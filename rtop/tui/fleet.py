@@ -21,7 +21,14 @@ from textual.containers import Horizontal
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from rtop.analysis.viewport import HEAT, NOT_MEASURED, TOP_K, HeatFigure, ViewRequest
+from rtop.analysis.viewport import (
+    HEAT,
+    NOT_MEASURED,
+    OUTLIER_FROM,
+    TOP_K,
+    HeatFigure,
+    ViewRequest,
+)
 from rtop.fmt import NA, fmt_ms, fmt_pct, fmt_ranks, num, safe_text
 from rtop.run.snapshot import FigureStats, Snapshot
 from rtop.tui.findings import SEVERITY_STYLE
@@ -86,6 +93,8 @@ class FleetScreen(Screen[None]):
         self._picked = False  # the figure was chosen (by the first outlier, or a key)
         self.fold: Fold = "auto"
         self._rows: dict[int, RankRow] = {}  # the rows the snapshot holds, by rank
+        self._texts: dict[str, Text] = {}  # what each text widget shows
+        self._asked: ViewRequest | None = None  # the view last asked for
         self._drawn = False
 
     def compose(self) -> ComposeResult:
@@ -107,13 +116,17 @@ class FleetScreen(Screen[None]):
         if self.snapshot is not None:
             self.show_snapshot(self.snapshot)
 
+    def _side_width(self) -> int:
+        return 40 if self.size.width >= 120 else 32
+
     def on_resize(self) -> None:
         """A wider side panel when there is room."""
-        self.query_one("#side").styles.width = 40 if self.size.width >= 120 else 32
+        self.query_one("#side").styles.width = self._side_width()
+        self._show_text()
 
     def on_screen_resume(self) -> None:
         """Back here: ask for this screen's rows again."""
-        self.post_message(ViewChanged())
+        self._ask(again=True)
 
     # ---- data in ------------------------------------------------------------------------
 
@@ -135,6 +148,14 @@ class FleetScreen(Screen[None]):
         self.figure %= max(1, len(data.figures))
         self.query_one(FleetMap).show(data, self.figure, self.fold)
         self._show_text()
+        self._ask()
+
+    def _ask(self, again: bool = False) -> None:
+        """Ask the app for this screen's view if it changed (the cursor's node)."""
+        want = self.view_request()
+        if again or want != self._asked:
+            self._asked = want
+            self.post_message(ViewChanged())
 
     def view_request(self) -> ViewRequest:
         """The rows this screen shows: the cursor's node's ranks, and the outliers."""
@@ -152,10 +173,16 @@ class FleetScreen(Screen[None]):
         if d is None:
             return
         h = self.heat()
-        self.query_one("#legend", Static).update(self._legend(h, d))
-        self.query_one("#side", Static).update(self._side(d, h))
-        self.query_one("#where", Static).update(self._where(d, h))
-        self.query_one("#dists", Static).update(self._dists(d))
+        self._put("#legend", self._legend(h, d))
+        self._put("#side", self._side(d, h))
+        self._put("#where", self._where(d, h))
+        self._put("#dists", self._dists(d))
+
+    def _put(self, widget: str, text: Text) -> None:
+        """Update a text that changed (an unchanged one is not painted again)."""
+        if self._texts.get(widget) != text:
+            self._texts[widget] = text
+            self.query_one(widget, Static).update(text)
 
     def _legend(self, h: HeatFigure, d: FleetData) -> Text:
         """The figure, the glyphs' bands, and (room permitting) what a cell is."""
@@ -197,8 +224,8 @@ class FleetScreen(Screen[None]):
             t.append(f"  +{len(findings) - 3} more (t: table)\n", "dim")
         t.append("outliers\n", "bold underline")
         if not d.outliers:
-            t.append("none beyond 2% of the median\n", "dim")
-        room = self.query_one("#side").size.width - 1
+            t.append(f"none {OUTLIER_FROM:.0%} worse than the median\n", "dim")
+        room = self._side_width() - 1
         names = {x: i for i, x in enumerate(d.nodes)}
         for o in d.outliers:
             of = next((x for x in HEAT if x.name == o["figure"]), h)
@@ -297,5 +324,5 @@ class FleetScreen(Screen[None]):
     def on_fleet_map_moved(self, event: FleetMap.Moved) -> None:
         """Say what the cursor is on, and ask for its node's rows."""
         if self.data is not None:
-            self.query_one("#where", Static).update(self._where(self.data, self.heat()))
-        self.post_message(ViewChanged())
+            self._put("#where", self._where(self.data, self.heat()))
+        self._ask()

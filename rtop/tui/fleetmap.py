@@ -28,7 +28,7 @@ from rtop.run.snapshot import (
 
 #: Deviation bands (hundredths of the median, worse than it) and each one's glyph: the
 #: shape reads without colour (``NO_COLOR``).
-BAND_FROM: Final = (3, 6, 12, 25)
+BAND_FROM: Final = (4, 8, 15, 25)
 GLYPHS: Final = ("·", "░", "▒", "▓", "█")
 #: What a cell shows when its rank is down (lost, failed), done (finished, exited,
 #: ended), or did not measure the figure.
@@ -162,18 +162,22 @@ class Layout:
         return int(self.grid.shape[1])
 
 
-def _pow2_at_most(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
+def _counts(most: int) -> list[int]:
+    """How many nodes (or groups of them) a line may hold, up to ``most``: 1, 2, 4, then
+    multiples of 4 (racks line up in columns)."""
+    return [c for c in (1, 2, *range(4, most + 1, 4)) if c <= most]
 
 
 def layout(data: FleetData, width: int, height: int, fold: Fold = "auto") -> Layout:
     """The map of ``data`` in ``width`` x ``height`` cells (after the line's label):
     every rank while they fit (``fold="ranks"``: always), else every node. A line holds
-    a power of two of nodes (of groups of nodes, folded): as few as fill the height."""
+    1, 2, 4 or a multiple of 4 nodes (groups of nodes, folded): as few as fill the
+    height."""
     nn = max(1, len(data.nodes))
     places = int(data.local.max()) + 1 if data.n else 1
     width, height = max(1, width), max(1, height)
-    most = _pow2_at_most(width // (places + 1)) if width >= places + 1 else 0
+    fit = (width + 1) // (places + 1)
+    most = max(_counts(fit)) if fit >= 1 else 0
     ranks_fit = places <= MAX_PLACES and most > 0
     unfold = ranks_fit and (fold == "ranks" or (fold == "auto"
                                                 and math.ceil(nn / most) <= height))
@@ -187,7 +191,8 @@ def layout(data: FleetData, width: int, height: int, fold: Fold = "auto") -> Lay
         grid[line, x] = np.arange(data.n)
         return Layout(False, grid, np.stack([line, x], axis=1),
                       [int(first[i * per_line]) for i in range(lines)], per_line, places)
-    most_groups = _pow2_at_most((width + 1) // (GROUP + 1)) if width >= GROUP else 0
+    fit = (width + 1) // (GROUP + 1)
+    most_groups = max(_counts(fit)) if fit >= 1 else 0
     if most_groups:
         groups = _fill(math.ceil(nn / GROUP), most_groups, height)
         per_line = groups * GROUP
@@ -205,12 +210,9 @@ def layout(data: FleetData, width: int, height: int, fold: Fold = "auto") -> Lay
 
 
 def _fill(items: int, most: int, height: int) -> int:
-    """The fewest per line (a power of two, at most ``most``) whose lines fit
+    """The fewest per line (of :func:`_counts`, at most ``most``) whose lines fit
     ``height``; ``most`` when none does."""
-    per = 1
-    while per < most and math.ceil(items / per) > height:
-        per *= 2
-    return min(per, most)
+    return next((c for c in _counts(most) if math.ceil(items / c) <= height), most)
 
 
 def _first_ranks(data: FleetData, nn: int) -> np.ndarray:

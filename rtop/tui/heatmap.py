@@ -25,7 +25,7 @@ from rtop.tui.fleetmap import CODE_GLYPHS, FleetData, Fold, Layout, layout
 #: Each cell code's style (``rtop.tui.fleetmap``: the five bands, better than the median,
 #: down, done, not measured); without colour the glyphs still tell them apart.
 CODE_STYLES: tuple[Style, ...] = (
-    Style(color="grey50"), Style(color="#d7d75f"), Style(color="#ffaf00"),
+    Style(color="grey50"), Style(color="#afaf5f"), Style(color="#ffaf00"),
     Style(color="#ff5f00", bold=True), Style(color="#ff2020", bold=True),
     Style(color="#5f87af"), Style(color="#ff2020", bold=True), Style(dim=True), Style())
 CURSOR = Style(reverse=True, bold=True)
@@ -76,16 +76,19 @@ class FleetMap(ScrollView, can_focus=True):
         self._seq = np.zeros(0, dtype=np.int64)  # items in reading order
         self._pos = np.zeros(0, dtype=np.int64)  # each item's place in _seq
         self._shape: tuple[Any, ...] = ()  # what the layout was made for
+        #: the lines drawn, by line of the map, until a cell or the cursor changes
+        self._lines: dict[int, list[Segment]] = {}
         self._want: tuple[int | None, str | None] = (None, None)  # (rank, node) to keep
 
     # ---- data in ------------------------------------------------------------------------
 
     def show(self, data: FleetData, figure: int, fold: Fold) -> None:
-        """Draw ``data`` coloured by heat figure ``figure``, folded as ``fold`` says."""
+        """Draw ``data`` coloured by heat figure ``figure``, folded as ``fold`` says (a
+        snapshot that changes no cell repaints nothing)."""
         keep = self.under()
         self.data, self.figure, self.fold = data, figure, fold
-        self._relayout(keep)
-        self.refresh()
+        if self._relayout(keep):
+            self.refresh()
 
     def under(self) -> tuple[int | None, str | None]:
         """(rank, node name) under the cursor; rank None on a folded node."""
@@ -103,25 +106,45 @@ class FleetMap(ScrollView, can_focus=True):
         top = int(d.ranks.max()) if d is not None and d.n else 0
         return len(str(top)) + 1
 
-    def _relayout(self, keep: tuple[int | None, str | None]) -> None:
+    def _relayout(self, keep: tuple[int | None, str | None]) -> bool:
+        """Lay the map out again if its shape changed, take the cells' new codes and put
+        the cursor back; whether anything on screen changed."""
         d = self.data
         if d is None:
-            return
+            return False
         width = max(1, self.scrollable_content_region.width - self._label_width())
         height = max(1, self.scrollable_content_region.height)
-        shape = (d.n, len(d.nodes), width, height, self.fold, d.ranks.tobytes()[-64:])
-        if shape != self._shape or self.map is None:
+        shape = (width, height, self.fold, hash(d.ranks.tobytes()),
+                 hash(d.node_of.tobytes()), hash(d.local.tobytes()))
+        changed = shape != self._shape or self.map is None
+        if changed:
             self._shape = shape
-            self.map = m = layout(d, width, height, self.fold)
-            order = np.lexsort((m.at[:, 1], m.at[:, 0])) if len(m.at) else \
+            self.map = new = layout(d, width, height, self.fold)
+            order = np.lexsort((new.at[:, 1], new.at[:, 0])) if len(new.at) else \
                 np.zeros(0, np.int64)
             self._seq = order
             self._pos = np.empty(len(order), dtype=np.int64)
             self._pos[order] = np.arange(len(order))
-            self.virtual_size = Size(m.width + self._label_width(), m.lines)
+            self.virtual_size = Size(new.width + self._label_width(), new.lines)
         m = self.map
-        self.codes = d.node_codes(self.figure) if m.folded else d.rank_codes(self.figure)
+        assert m is not None
+        codes = d.node_codes(self.figure) if m.folded else d.rank_codes(self.figure)
+        if changed or not np.array_equal(codes, self.codes):
+            self.codes = codes
+            self._lines.clear()
+            changed = True
+        before = self.cursor
         self._put_cursor(keep)
+        if self.cursor != before:
+            self._forget(before)
+            self._forget(self.cursor)
+            changed = True
+        return changed
+
+    def _forget(self, item: int) -> None:
+        """Drop the cached line that holds ``item`` (the cursor came or went)."""
+        if self.map is not None and 0 <= item < len(self.map.at):
+            self._lines.pop(int(self.map.at[item][0]), None)
 
     def _put_cursor(self, keep: tuple[int | None, str | None]) -> None:
         """Back on the rank (or node) the cursor was on, if it is still there."""
@@ -147,46 +170,53 @@ class FleetMap(ScrollView, can_focus=True):
         """The layout depends on the size."""
         if self.data is not None:
             self._relayout(self.under())
+            self._lines.clear()
             self.refresh()
 
     # ---- drawing ------------------------------------------------------------------------
 
     def render_line(self, y: int) -> Strip:
-        """Build only the line asked for: its label, then runs of cells of one style."""
+        """Build only the line asked for (kept until its cells change): its label, then
+        runs of cells of one style."""
         width = self.scrollable_content_region.width
         m, line = self.map, self.scroll_offset.y + y
         if m is None or line >= m.lines:
             return Strip.blank(width, BLANK)
+        segs = self._lines.get(line)
+        if segs is None:
+            segs = self._lines[line] = self._segments(m, line)
+        return Strip(segs).crop_extend(0, width, BLANK)
+
+    def _segments(self, m: Layout, line: int) -> list[Segment]:
         lw = self._label_width()
         label = m.label[line]
         segs = [Segment((str(label) if label >= 0 else "").rjust(lw - 1) + " ", LABEL)]
         row = m.grid[line]
-        cur_line, cur_x = (int(v) for v in m.at[self.cursor]) if len(m.at) else (-1, -1)
-        glyphs, styles = [], []
-        for x, item in enumerate(row):
-            if item < 0:
-                glyphs.append(" ")
-                styles.append(BLANK)
+        # a style per cell: its code, -1 for a gap, and the cursor apart (code + 100)
+        style = np.where(row >= 0, self.codes[np.maximum(row, 0)].astype(np.int64), -1)
+        if len(m.at) and int(m.at[self.cursor][0]) == line:
+            style[int(m.at[self.cursor][1])] += 100
+        cuts = np.flatnonzero(np.diff(style)) + 1
+        for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(style)], strict=True):
+            code = int(style[a])
+            if code < 0:
+                segs.append(Segment(" " * (b - a), BLANK))
                 continue
-            code = int(self.codes[item])
-            glyphs.append(CODE_GLYPHS[code])
-            styles.append(CURSOR + CODE_STYLES[code] if (line, x) == (cur_line, cur_x)
-                          and self.has_focus else
-                          (Style(underline=True) + CODE_STYLES[code]
-                           if (line, x) == (cur_line, cur_x) else CODE_STYLES[code]))
-        start = 0
-        for x in range(1, len(glyphs) + 1):
-            if x == len(glyphs) or styles[x] != styles[start]:
-                segs.append(Segment("".join(glyphs[start:x]), styles[start]))
-                start = x
-        return Strip(segs).crop_extend(0, width, BLANK)
+            cur, code = code >= 100, code % 100
+            st = CODE_STYLES[code]
+            if cur:
+                st = (CURSOR if self.has_focus else Style(underline=True)) + st
+            segs.append(Segment(CODE_GLYPHS[code] * (b - a), st))
+        return segs
 
     # ---- the cursor ---------------------------------------------------------------------
 
-    def _moved(self) -> None:
+    def _moved(self, before: int) -> None:
         m = self.map
         if m is None or not len(m.at):
             return
+        self._forget(before)
+        self._forget(self.cursor)
         line = int(m.at[self.cursor][0])
         top, h = self.scroll_offset.y, self.scrollable_content_region.height
         if line < top:
@@ -204,13 +234,14 @@ class FleetMap(ScrollView, can_focus=True):
         m = self.map
         if m is None or not len(m.at):
             return
+        before = self.cursor
         if dx:
             i = int(self._pos[self.cursor]) + dx
             if 0 <= i < len(self._seq):
                 self.cursor = int(self._seq[i])
         else:
             self._to_line(int(m.at[self.cursor][0]) + dy, int(m.at[self.cursor][1]))
-        self._moved()
+        self._moved(before)
 
     def _to_line(self, line: int, x: int) -> None:
         """The cell of ``line`` nearest column ``x`` (the cursor stays off the map)."""
@@ -229,14 +260,16 @@ class FleetMap(ScrollView, can_focus=True):
             return
         h = max(1, self.scrollable_content_region.height - 1)
         line = int(m.at[self.cursor][0]) + direction * h
+        before = self.cursor
         self._to_line(max(0, min(m.lines - 1, line)), int(m.at[self.cursor][1]))
-        self._moved()
+        self._moved(before)
 
     def action_end(self, last: int) -> None:
         """The first (or last) cell."""
         if len(self._seq):
+            before = self.cursor
             self.cursor = int(self._seq[-1 if last else 0])
-            self._moved()
+            self._moved(before)
 
     def action_open(self) -> None:
         """Open the rank (its detail) or the folded node (its ranks) under the cursor."""
@@ -252,15 +285,18 @@ class FleetMap(ScrollView, can_focus=True):
         line, x = self.scroll_offset.y + event.y, event.x - self._label_width()
         if 0 <= line < m.lines and 0 <= x < m.width and m.grid[line, x] >= 0:
             again = int(m.grid[line, x]) == self.cursor
+            before = self.cursor
             self.cursor = int(m.grid[line, x])
-            self._moved()
+            self._moved(before)
             if again or event.chain > 1:
                 self.action_open()
 
     def on_focus(self) -> None:
         """The cursor shows reversed only while focused."""
+        self._forget(self.cursor)
         self.refresh()
 
     def on_blur(self) -> None:
         """See :meth:`on_focus`."""
+        self._forget(self.cursor)
         self.refresh()
