@@ -1406,31 +1406,48 @@ def summarize(args: argparse.Namespace, res: dict[str, Any], p2: dict[str, Any] 
         print(f"  note: {n}")
 
 
-def compare(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
-    """The modes measured, side by side."""
+def compare(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> None:
+    """The modes measured, side by side: each figure's median over the runs of a mode
+    (``--repeat``; the modes' runs alternate, so a machine that gets busier or quieter
+    weighs on both alike), and relays / direct."""
     modes = list(results)
+    runs = len(next(iter(results.values())))
     print()
-    print(f"side by side: {args.ranks} ranks, {args.duration:.0f} s each, fresh hubs")
-    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-        ("TCP connections at the hub", lambda r: f"{r.get('hub_sockets', '?')}"),
-        ("hub CPU, median (% of a core)", lambda r: f"{median(r['cpu']):.0f}%"),
-        ("hub CPU, max", lambda r: f"{fmax(r['cpu']):.0f}%"),
-        ("hub CPU per rank batch (us)", lambda r: f"{r['cpu_per_frame'] * 1e6:.0f}"),
-        ("  without snapshot builds (us)",
-         lambda r: f"{r['cpu_per_frame_ingest'] * 1e6:.0f}"),
-        ("hub RSS, max (MB)", lambda r: f"{fmax(r['rss']) / MB:.0f}"),
-        ("snapshot round trip, median (ms)", lambda r: f"{median(r['rtt']) * 1e3:.0f}"),
-        ("snapshot build, median (ms)",
-         lambda r: f"{median([b for b in r['build'] if not math.isnan(b)]) * 1e3:.0f}"),
-        ("step records/s ingested", lambda r: f"{r['ingest_rate']:,.0f}"),
-        ("ranks active", lambda r: f"{r['ranks_active']} of {args.ranks}"),
-        ("relays' CPU, median", lambda r: f"{median(r['relay_cpu']):.0f}%"
-         if r.get("relays_up") else "-"),
-        ("generators' CPU, median", lambda r: f"{median(r['gen_cpu']):.0f}%"),
+    print(f"side by side: {args.ranks} ranks, {args.duration:.0f} s a run, fresh hubs; "
+          f"median of {runs} run{'s' if runs > 1 else ''} each, alternating")
+
+    def build(r: dict[str, Any]) -> float:
+        return median([b for b in r["build"] if not math.isnan(b)]) * 1e3
+
+    rows: list[tuple[str, Callable[[dict[str, Any]], float], str]] = [
+        ("TCP connections at the hub", lambda r: float(r.get("hub_sockets", math.nan)),
+         "{:,.0f}"),
+        ("hub CPU, median (% of a core)", lambda r: median(r["cpu"]), "{:.0f}%"),
+        ("hub CPU, max (% of a core)", lambda r: fmax(r["cpu"]), "{:.0f}%"),
+        ("hub CPU per rank batch (us)", lambda r: r["cpu_per_frame"] * 1e6, "{:.0f}"),
+        ("  without snapshot builds (us)", lambda r: r["cpu_per_frame_ingest"] * 1e6,
+         "{:.0f}"),
+        ("hub RSS, max (MB)", lambda r: fmax(r["rss"]) / MB, "{:.0f}"),
+        ("snapshot round trip, median (ms)", lambda r: median(r["rtt"]) * 1e3, "{:.0f}"),
+        ("snapshot build, median (ms)", build, "{:.0f}"),
+        ("step records/s ingested", lambda r: r["ingest_rate"], "{:,.0f}"),
+        ("ranks active", lambda r: float(r["ranks_active"]), "{:,.0f}"),
+        ("relays' CPU, median (% of a core)", lambda r: median(r["relay_cpu"])
+         if r.get("relays_up") else math.nan, "{:.0f}%"),
+        ("generators' CPU, median", lambda r: median(r["gen_cpu"]), "{:.0f}%"),
+        ("other processes' CPU, median", lambda r: median(r["other_cpu"]), "{:.0f}%"),
     ]
-    print(f"  {'':34}" + "".join(f"{m:>12}" for m in modes))
-    for name, cell in rows:
-        print(f"  {name:34}" + "".join(f"{cell(results[m]):>12}" for m in modes))
+    ratio = modes == ["direct", "relays"]
+    print(f"  {'':36}" + "".join(f"{m:>12}" for m in modes)
+          + (f"{'relays/direct':>15}" if ratio else ""))
+    for name, value, fmt in rows:
+        vals = [median([v for v in (value(r) for r in results[m]) if not math.isnan(v)])
+                for m in modes]
+        cells = "".join(f"{'-' if math.isnan(v) else fmt.format(v):>12}" for v in vals)
+        extra = ""
+        if ratio and not any(math.isnan(v) for v in vals) and vals[0]:
+            extra = f"{vals[1] / vals[0]:>15.2f}"
+        print(f"  {name:36}{cells}{extra}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1456,6 +1473,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=["direct", "relays", "both"], default="direct",
                     help="ranks connect to the hub (direct), through one relay per node of "
                          f"{RANKS_PER_NODE} (relays), or one then the other on fresh hubs")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="with --mode both: run each mode this many times, alternating, "
+                         "and compare the medians")
     ap.add_argument("--relay-procs", type=int, default=2,
                     help="processes the relays run in (each runs its share, one relay "
                          "object, socket and hub connection per node)")
@@ -1482,16 +1502,17 @@ def main(argv: list[str] | None = None) -> int:
     token = secrets.token_urlsafe(16)
     hubs: list[HubProcess] = []
     viewers: list[Viewer] = []
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, list[dict[str, Any]]] = {}
     relay_fleets: list[RelayFleet] = []
     res: dict[str, Any] = {}
     p2: dict[str, Any] | None = None
     modes = ["direct", "relays"] if args.mode == "both" else [args.mode]
+    runs = [(mode, i) for i in range(max(args.repeat, 1)) for mode in modes]
     try:
         ingest = auth.role_token(token, "ingest")
-        for mode in modes:
-            hub = HubProcess(tmp, f"hub-{mode}", token,
-                             args.profile if mode == modes[-1] else None)
+        for mode, i in runs:
+            hub = HubProcess(tmp, f"hub-{mode}-{i}", token,
+                             args.profile if (mode, i) == runs[-1] else None)
             hubs.append(hub)
             address = hub.wait_address()
             hub_nofile = hub.ps.rlimit(psutil.RLIMIT_NOFILE)[0]
@@ -1512,7 +1533,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"starting {relays.nodes} relays in {relays.n} processes ...",
                       flush=True)
                 opts["relay_addrs"] = relays.addresses(120 + relays.nodes / 10)
-            res = results[mode] = {}
+            res = {}
+            results.setdefault(mode, []).append(res)
             run_job_phase(args, opts, hub, viewer, res, relays)
             viewer.close()
             if relays is not None:
@@ -1531,11 +1553,11 @@ def main(argv: list[str] | None = None) -> int:
         print("in-process costs ...", flush=True)
         cost = in_process_costs(args.ranks)
         logs = {h.log_path.stem: scan_log(h.log_text()) for h in hubs}
-        for mode in modes:
-            summarize(args, results[mode], p2 if mode == modes[-1] else None, cost,
-                      {k: v for k, v in logs.items() if mode in k or k == "hub2"},
+        for mode, i in runs:
+            summarize(args, results[mode][i], p2 if (mode, i) == runs[-1] else None, cost,
+                      {k: v for k, v in logs.items() if k == f"hub-{mode}-{i}" or k == "hub2"},
                       hub_nofile, mode)
-        if len(modes) > 1:
+        if len(runs) > 1:
             compare(args, results)
         if args.profile is not None:
             print_profile(args.profile)
@@ -1546,9 +1568,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for v in viewers:
             v.close()
-        for r in results.values():
-            if r.get("fleet") is not None:
-                r["fleet"].finish(5)
+        for rs in results.values():
+            for r in rs:
+                if r.get("fleet") is not None:
+                    r["fleet"].finish(5)
         for rf in relay_fleets:
             rf.finish(5)
         for h in hubs:

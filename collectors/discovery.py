@@ -18,9 +18,12 @@ In order:
    private file beside it (:func:`hub_key_path`), which ranks never read.
 
 **Relays.** A job of ``RTOP_RELAY_MIN_WORLD`` ranks or more (:data:`RELAY_MIN_WORLD`,
-256; ``RTOP_RELAY=0``: never) whose hub is named (``RTOP_HUB``) sends through one relay
-per node and job (``rtop relay``, :mod:`rtop.hub.relay`): a byte multiplexer on
-loopback that carries the node's ranks to the hub over one connection. The rank speaks
+256; ``RTOP_RELAY=0``: never) sends through one relay per node and job. On Ray, the
+job's hub actor makes it (a relay actor on the rank's node, zero CPUs) and the rank asks
+it for its address (:func:`ray_relay`). Otherwise, when the hub is named
+(``RTOP_HUB``), it is a process per node (``rtop relay``, :mod:`rtop.hub.relay`). A relay
+is a byte multiplexer on loopback that carries the node's ranks to the hub over one
+connection. The rank speaks
 to the hub through it exactly as it would directly (the same handshake, token and
 acknowledgements), so this module only picks where to connect: the relay of
 ``relay-<job>-<node>-<hub>.json`` in the runtime directory (same checks as a hub's file,
@@ -620,8 +623,8 @@ def ray_actor_name(identity: Identity) -> str:
     return f"rtop-hub-{job_key(identity)}"
 
 
-def ray_hub(identity: Identity, create: bool = True, token: str | None = None
-            ) -> HubAddress | None:
+def ray_hub(identity: Identity, create: bool = True, token: str | None = None,
+            relay: bool = True) -> HubAddress | None:
     """Ask (or make) this Ray Train run's hub actor for the hub's address (and token).
 
     With a token of its own (``RTOP_TOKEN``, ``collectors.start(token=...)``), the rank
@@ -647,13 +650,35 @@ def ray_hub(identity: Identity, create: bool = True, token: str | None = None
         ).remote(job_key(identity), token=token)
     host, port, given = ray.get(actor.address.remote(), timeout=60)
     use = given if isinstance(given, str) and given else token
+    if relay and use and relay_wanted(identity):
+        found = ray_relay(actor, identity)
+        if found is not None:
+            return found[0], found[1], use
     return str(host), int(port), use
+
+
+def ray_relay(hub_actor: Any, identity: Identity) -> tuple[str, int] | None:
+    """The relay of this rank's Ray node, made by the job's hub actor if need be (a
+    ``RayRelayActor`` on this node, zero CPUs): ``(host, port)`` on loopback, or None
+    when there is none to use (an older hub actor, a relay that died): then the rank
+    connects to the hub itself. Never raises."""
+    try:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        handle = ray.get(hub_actor.relay.remote(node_id, identity.hostname), timeout=60)
+        host, port = ray.get(handle.address.remote(), timeout=60)
+        return str(host), int(port)
+    except Exception as exc:
+        _warn_once("ray-relay", "rtop: no relay for this Ray node (%s); connecting to the "
+                   "hub directly", exc)
+        return None
 
 
 def resolve(identity: Identity, hub: str | None, token: str | None,
             allow_spawn: bool = True, relay: bool = True) -> HubAddress | None:
-    """Where this rank's hub is: explicit address (through the node's relay in a large
-    job, unless ``relay`` is False), Ray actor, or the node-local hub."""
+    """Where this rank's hub is: explicit address, Ray actor, or the node-local hub;
+    through the node's relay in a large job (unless ``relay`` is False)."""
     if hub:
         host, port = parse_address(hub)
         if relay and relay_wanted(identity):
@@ -666,7 +691,7 @@ def resolve(identity: Identity, hub: str | None, token: str | None,
         return None
     if identity.source == "ray":
         try:
-            found = ray_hub(identity, create=allow_spawn, token=token)
+            found = ray_hub(identity, create=allow_spawn, token=token, relay=relay)
         except Exception as exc:
             if "ray" not in _warned:
                 _warned.add("ray")

@@ -346,6 +346,34 @@ def test_a_relay_speaks_for_its_own_node_only(hub: ThreadedHub,
         c.close()
 
 
+@pytest.mark.parametrize("payload", [
+    {"open": [0, 0]},  # a stream opened twice
+    {"open": ["x"]},
+    {"data": [0]},  # not pairs
+    {"open": [0], "data": [0, "not bytes"]},
+    {"closed": "all"},
+], ids=["opened-twice", "sid-not-int", "odd-data", "str-data", "closed-not-list"])
+def test_a_malformed_relay_frame_closes_that_relay_alone(hub: ThreadedHub,
+                                                        payload: dict[str, Any]):
+    relay = RankClient(hub.address, ingest(hub), role="relay", hello=False)
+    relay.handshake(ingest(hub), "relay", {"node": "node-z"})
+    assert relay.recv().kind == wire.KIND_WELCOME
+    direct = RankClient(hub.address, ingest(hub), rank=0, world=2, host="node-y", job=JOB)
+    welcomed(direct)
+    relay.send(wire.KIND_RELAY, payload)
+    err = relay.recv()
+    while err is not None and err.kind == wire.KIND_DOWN:  # a stream opened first
+        err = relay.recv()
+    assert err is not None and err.kind == wire.KIND_ERROR, err
+    assert err.payload["code"] == "bad_frame"
+    assert relay.closed_by_hub()
+    direct.send(wire.KIND_BATCH, batch(0, 1, direct.group))
+    until_ack(direct, 1)  # the hub and its other peers go on
+    assert hub.call(lambda h: h.relays.count()) == 0
+    for c in (relay, direct):
+        c.close()
+
+
 def _identity(rank: int) -> dict[str, Any]:
     from tests.rankclient import identity
 
@@ -511,3 +539,58 @@ def test_stacks_reach_relayed_ranks_and_come_back(hub: ThreadedHub, large_job: N
             p.wait(60)
     outs = [p.stdout.read() if p.stdout else "" for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
+
+
+# ---- on Ray --------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_on_ray_the_hub_actor_makes_the_nodes_relay(ray_cluster: dict[str, str],
+                                                    monkeypatch: pytest.MonkeyPatch):
+    import ray
+
+    from collectors.discovery import ray_actor_name, resolve
+
+    monkeypatch.setenv("RTOP_AUTOHUB", "1")  # found through Ray, as a Ray Train rank does
+    job = f"relay-ray-{os.getpid()}"
+    ident = detect(rank=0, local_rank=0, world_size=512, job=job, group=f"{job}#0",
+                   source="ray")
+    hub_actor = None
+    try:
+        found = resolve(ident, None, None)
+        hub_actor = ray.get_actor(ray_actor_name(ident), namespace="rtop")
+        hub_host, hub_port, _ = ray.get(hub_actor.address.remote())
+        assert found is not None and found[0] == "127.0.0.1" and found[1] != hub_port, found
+        # the relay actor: on this node, zero CPUs, found again by the next rank
+        again = resolve(detect(rank=1, local_rank=1, world_size=512, job=job,
+                               group=f"{job}#0", source="ray"), None, None)
+        assert again is not None and again[:2] == found[:2]
+        ranks = []
+        for r in (0, 1):
+            ident_r = detect(rank=r, local_rank=r, world_size=512, job=job,
+                             group=f"{job}#0", source="ray")
+            conn = HubConnection(ProbeConfig(backoff_initial_s=0.05, backoff_max_s=0.5),
+                                 ident_r)
+            ranks.append((ident_r, conn))
+        for seq in (1, 2, 3):
+            for ident_r, conn in ranks:
+                conn.send(wire.encode(wire.KIND_BATCH, batch(ident_r.rank, seq,
+                                                              ident_r.group)), 1, seq)
+        deadline = time.monotonic() + 30
+        while any(c.unacked_frames or c.queued_frames or c.state is not ConnState.UP
+                  for _, c in ranks):
+            assert time.monotonic() < deadline, [c.stats() for _, c in ranks]
+            for _, c in ranks:
+                c.pump(time.monotonic())
+            time.sleep(0.01)
+        view = ray.get(hub_actor.view_token.remote())
+        with HubClient(f"{hub_host}:{hub_port}", view) as viewer:
+            snap = viewer.snapshot()
+        assert snap["ranks"]["rank"] == [0, 1] and snap["ranks"]["step"] == [3, 3]
+        assert snap["hub"]["counters"]["relays"] == 1
+        assert snap["hub"]["counters"]["relay_streams"] == 2
+        for _, c in ranks:
+            c.close()
+    finally:
+        if hub_actor is not None:
+            ray.kill(hub_actor)  # its relay actor, which it owns, goes with it

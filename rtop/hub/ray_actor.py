@@ -25,6 +25,10 @@ try. What it does:
   watch); anyone in the cluster can have those, which grants nothing they could not
   do already. The master and control tokens never leave the actor;
 * :meth:`RayHubActor.info`, what ``rtop list`` asks, never returns a token;
+* :meth:`RayHubActor.relay` makes (or finds) the relay of a node for a large job's ranks:
+  a :class:`RayRelayActor` on that node (node affinity, zero CPUs), owned by the hub
+  actor, given the ingest token (what the node's ranks have anyway); it listens on the
+  node's loopback only;
 * :meth:`RayHubActor.shutdown` stops the hub only for a caller that presents its
   master or control token (compared in constant time): neither listing hubs, a rank,
   a viewer nor a stray script can end a job's hub. Without a token of the job's own,
@@ -95,6 +99,26 @@ class RayHubActor:
     def _role_token(self, role: str) -> str | None:
         return None if self._given else auth.role_token(self._hub.token, role)
 
+    def relay(self, node_id: str, node: str) -> Any:
+        """The relay actor of Ray node ``node_id`` (whose ranks' hostname is ``node``),
+        made now if it has none: a :class:`RayRelayActor` placed on that node (node
+        affinity, not soft), with zero CPUs, named after the job and node (one per node:
+        ``get_if_exists``), owned by this actor, so it ends with it. The caller asks it
+        for its address."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from collectors.discovery import RAY_NAMESPACE, safe_name
+
+        name = safe_name(f"rtop-relay-{self._hub.job}-{node_id[:16]}-{node}", max_len=200)
+        remote_cls: Any = ray.remote(RayRelayActor)
+        return remote_cls.options(
+            name=name, namespace=RAY_NAMESPACE, get_if_exists=True, num_cpus=0,
+            max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_id, soft=False),
+        ).remote(self._hub.address, auth.role_token(self._hub.token, "ingest"), node,
+                 self._hub.job)
+
     def info(self) -> dict[str, Any]:
         """What ``rtop list`` shows: address, job, recording, and whether the job gave
         its own token (``token_given``). Never the token."""
@@ -116,3 +140,28 @@ class RayHubActor:
         path = self._hub.record_path
         self._hub.stop()
         return path
+
+
+class RayRelayActor:
+    """One node's relay for a Ray job (:mod:`rtop.hub.relay`) on a thread of the actor's
+    process, made by the job's hub actor (:meth:`RayHubActor.relay`) on that node. It
+    listens on the node's loopback for the node's ranks and carries them to the hub
+    over one connection; it exits ten minutes after its last rank left (or with the hub
+    actor, which owns it)."""
+
+    def __init__(self, hub: str, token: str, node: str, job: str) -> None:
+        from rtop.hub.relay import RelayConfig, ThreadedRelay
+
+        self._relay = ThreadedRelay(RelayConfig(hub=hub, token=token, node=node, job=job,
+                                                linger_s=600.0),
+                                    on_exit=self._exit).start()
+
+    def _exit(self) -> None:
+        with contextlib.suppress(Exception):  # not in an actor (a test), or Ray going down
+            import ray
+
+            ray.actor.exit_actor()  # type: ignore[no-untyped-call]
+
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` the node's ranks connect to (loopback)."""
+        return parse_address(self._relay.address)

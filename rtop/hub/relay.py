@@ -84,13 +84,17 @@ class RelayConfig:
     host: str = "127.0.0.1"  # where the node's ranks connect (loopback)
     port: int = 0
     interval_s: float = 0.25  # what the ranks sent goes up at least this often
-    flush_bytes: int = 1 << 20  # ... or as soon as this much waits
-    high_water_bytes: int = 8 << 20  # queued to the hub: stop reading the ranks
+    flush_bytes: int = 256 << 10  # ... or as soon as this much waits
+    #: queued to the hub beyond this, the ranks are not read: what the hub cannot take
+    #: stays with them (bounded there), not here (a node sends ~20 kB/s)
+    high_water_bytes: int = 256 << 10
     held_bytes: int = 64 << 10  # what one stream may send before the hub is reached
     rank_buffer_bytes: int = 4 << 20  # queued to a rank that does not read: closed
     max_streams: int = 1024
     keepalive_s: float = 5.0  # an empty frame when nothing went up for this long
-    hub_silent_s: float = 60.0  # nothing from the hub this long: connect again
+    #: nothing from the hub this long (it pings every 10 s): a connection that died
+    #: silently, connect again (a hub merely busy is waited for, as ranks wait for it)
+    hub_silent_s: float = 300.0
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 2.0
     connect_timeout_s: float = 5.0  # for the hub to take the connection and welcome it
@@ -567,3 +571,64 @@ async def serve(cfg: RelayConfig, ready: Callable[[Relay], None] | None = None) 
     finally:
         await relay.close()
     return 2 if relay.refused is not None else 0
+
+
+class ThreadedRelay:
+    """A relay on a daemon thread with its own event loop (the Ray relay actor's):
+    ``start()`` returns once it listens (``address`` set); ``on_exit`` is called when it
+    ends by itself (no rank for ``linger_s``, refused by the hub)."""
+
+    def __init__(self, cfg: RelayConfig, on_exit: Callable[[], None] | None = None) -> None:
+        import threading
+
+        self.cfg = cfg
+        self.relay: Relay | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._on_exit = on_exit
+        self._thread = threading.Thread(target=self._run, name="rtop-relay", daemon=True)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the relay listens on, for the node's ranks."""
+        return self.relay.address if self.relay is not None else ""
+
+    def start(self, timeout: float = 10.0) -> ThreadedRelay:
+        """Start the thread; return once the relay listens."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the relay did not start")
+        if self._error is not None:
+            raise RuntimeError(f"the relay failed to start: {self._error}") from self._error
+        return self
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+
+        async def main() -> None:
+            self.relay = Relay(self.cfg)
+            try:
+                await self.relay.start()
+            finally:
+                self._ready.set()
+            await self.relay.closed.wait()
+
+        try:
+            loop.run_until_complete(main())
+        except BaseException as exc:  # reported to start()
+            self._error = exc
+            self._ready.set()
+        finally:
+            loop.close()
+        if self._on_exit is not None:
+            self._on_exit()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the relay (its ranks connect again elsewhere) and join its thread."""
+        relay, loop = self.relay, self._loop
+        if relay is not None and loop is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(relay.close()))
+        self._thread.join(timeout)
