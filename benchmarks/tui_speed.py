@@ -44,9 +44,10 @@ and the compositor. The first frame must contain a rank's node name (checked).
 
 4. The fleet view (issue 29): simulated fleets of 1,024, 4,096 and 16,384 ranks with a
    slow node (``rtop.fleetsim``, in nodes of 8), written as recordings (cached under
-   /tmp/rtop-bench) and replayed through the real state and diagnosis to 35 s in. On the
-   hub's side: the full snapshot's build (``Monitor.snapshot``: every rank's row, what
-   every viewer got before, and still the input of each view), the fleet's arrays
+   /tmp/rtop-bench) and replayed through the real state and diagnosis to 35 s in (the
+   snapshots of its last three seconds are the ones posted). On the hub's side: the full
+   snapshot's build (``Monitor.snapshot``: every rank's row, what every viewer got
+   before, and still the input of each view), the fleet's arrays
    (``rtop.analysis.viewport.Fleet``, once per snapshot whatever the viewers), and one
    viewer's view (the fleet screen's: the cursor's node and the top outliers; and a
    table page of 60 rows) built and encoded; the bytes of each on the wire. On the
@@ -634,11 +635,15 @@ def replay_in_pty(path: Path, timeout: float = 60.0) -> tuple[float | None, int 
 # ---- 4. the fleet view ---------------------------------------------------------------------------
 
 
-def fleet_monitor(ranks: int) -> tuple[Monitor, Snapshot, float, float]:
-    """A simulated fleet replayed to FLEET_AT_S: its monitor, the full snapshot there, and
-    the seconds writing (0 if cached) and replaying took."""
-    from rtop.fleetsim import FleetSpec
+def fleet_monitor(ranks: int) -> tuple[Monitor, list[Snapshot], float, float]:
+    """A simulated fleet replayed as ``rtop replay`` does (its frames into the hub's
+    Monitor, the clock frames advancing it) to FLEET_AT_S: the monitor, the full
+    snapshots of its last three seconds (distinct, as a live hub's are), and the seconds
+    writing (0 if cached) and replaying took."""
+    from rtop.fleetsim import T0, FleetSpec
     from rtop.fleetsim import write_recording as write_fleet
+    from rtop.run.recording import read
+    from rtop.run.validate import ProtocolError
 
     CACHE.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = CACHE / f"fleet-{ranks}r-slow_node-36s-v{RECORDING_VERSION}.rtop"
@@ -650,9 +655,23 @@ def fleet_monitor(ranks: int) -> tuple[Monitor, Snapshot, float, float]:
         part.replace(path)
         made = time.perf_counter() - t
     t = time.perf_counter()
-    src = ReplaySource(path)
-    snap, _ = src.snapshot_at(FLEET_AT_S)
-    return src.monitor, snap, made, time.perf_counter() - t
+    monitor = Monitor(RunState(lost_after_s=10.0), AnalysisConfig.load())
+    moments = [T0 + FLEET_AT_S - 2, T0 + FLEET_AT_S - 1, T0 + FLEET_AT_S]
+    snaps: list[Snapshot] = []
+    for t_hub, frame in read(path):
+        while moments and t_hub > moments[0]:
+            moments.pop(0)
+            snaps.append(monitor.snapshot())
+        if not moments:
+            break
+        try:
+            monitor.apply(frame, t_hub)
+        except ProtocolError:
+            continue
+        if frame.kind == wire.KIND_CLOCK:
+            monitor.state.now = t_hub
+            monitor.advance(t_hub)
+    return monitor, snaps, made, time.perf_counter() - t
 
 
 def timed(fn: Callable[[], Any], n: int) -> tuple[list[float], Any]:
@@ -665,8 +684,9 @@ def timed(fn: Callable[[], Any], n: int) -> tuple[list[float], Any]:
     return out, res
 
 
-def fleet_hub_side(monitor: Monitor, n: int) -> dict[str, Any]:
-    """What the hub does per view: the full snapshot, the fleet's arrays, a view."""
+def fleet_hub_side(monitor: Monitor, fulls: list[Snapshot], n: int) -> dict[str, Any]:
+    """What the hub does per view: the full snapshot, the fleet's arrays, a view; and
+    the views of ``fulls`` as a viewer gets them (through the wire)."""
     from rtop.analysis.viewport import TOP_K, Fleet, Page, ViewRequest
 
     res: dict[str, Any] = {}
@@ -674,24 +694,25 @@ def fleet_hub_side(monitor: Monitor, n: int) -> dict[str, Any]:
     res["full_bytes"] = len(wire.encode(wire.KIND_SNAPSHOT, full))
     res["fleet"], fleet = timed(lambda: Fleet(full), n)
     node = fleet.nodes[len(fleet.nodes) // 2]
-    res["screen_req"] = ViewRequest(nodes=(node,), top=TOP_K)
-    res["table_req"] = ViewRequest(top=0, pages={"table": Page(limit=60)})
-    for key in ("screen", "table"):
-        req = res[key + "_req"]
+    reqs = {"screen": ViewRequest(nodes=(node,), top=TOP_K),
+            "table": ViewRequest(top=0, pages={"table": Page(limit=60)})}
+    for key, req in reqs.items():
         res[key], data = timed(lambda r=req: wire.encode(wire.KIND_SNAPSHOT, fleet.view(r)),
                                n)
         res[key + "_bytes"] = len(data)
-        # what the viewer gets: the wire round trip
-        res[key + "_snap"] = wire.decode_body(data[wire.HEADER_BYTES:]).payload
+    res["views"] = []
+    for snap in fulls:  # what the viewer gets: the wire round trip
+        data = wire.encode(wire.KIND_SNAPSHOT, Fleet(snap).view(reqs["screen"]))
+        res["views"].append(wire.decode_body(data[wire.HEADER_BYTES:]).payload)
     return res
 
 
-async def fleet_viewer_side(view: dict[str, Any], n: int) -> dict[str, Any]:
+async def fleet_viewer_side(views: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """The app on the fleet view: each view's snapshot -> its frame, and keys -> frames."""
     from rtop.tui.fleet import FleetScreen
     from rtop.tui.heatmap import FleetMap
 
-    snaps = [dict(view) for _ in range(3)]
+    snaps = views
     app = make_app(StaticSource(snaps[:1], title="bench", interval_s=3600.0))
     probe = FrameProbe(app)
     res: dict[str, Any] = {}
@@ -705,7 +726,7 @@ async def fleet_viewer_side(view: dict[str, Any], n: int) -> dict[str, Any]:
         res["folded"] = fmap.map is not None and fmap.map.folded
         res["lines"] = fmap.map.lines if fmap.map is not None else 0
         res["frame"], res["frame_cpu"], res["fps"] = await snapshot_to_frame(
-            app, probe, snaps, n, check="p50")
+            app, probe, snaps, n, check="running")
         res["figure_key"] = await action_to_frame(app, probe, lambda: screen.action_figure(1),
                                                   max(6, n // 2))
         res["arrow_key"] = await action_to_frame(app, probe, lambda: fmap.action_move(1, 0),
@@ -723,9 +744,9 @@ def fleet_section(sizes: list[int], n: int, rows: list[tuple[str, str, str]]) ->
           f"{'c key':>7} {'arrow':>7}  map")
     ok = True
     for ranks in sizes:
-        monitor, _, made, replayed = fleet_monitor(ranks)
-        hub = fleet_hub_side(monitor, max(3, n // 3))
-        viewer = asyncio.run(fleet_viewer_side(hub["screen_snap"], n))
+        monitor, fulls, made, replayed = fleet_monitor(ranks)
+        hub = fleet_hub_side(monitor, fulls, max(3, n // 3))
+        viewer = asyncio.run(fleet_viewer_side(hub["views"], n))
         med = statistics.median
         frame = med(viewer["frame"])
         fits = hub["screen_bytes"] <= VIEW_TARGET_BYTES and \

@@ -345,6 +345,7 @@ class Fleet:
         self.active = self.status == _ACTIVE
         self._cols = cols
         self._values: dict[str, np.ndarray] = {}
+        self._badges: tuple[np.ndarray, list[str]] | None = None
         self.badges = badges_of(snap["findings"])
         med_step = self._median("step_s")
         self.dev = np.full((len(HEAT), n), np.nan)
@@ -459,9 +460,25 @@ class Fleet:
 
     def badge(self, i: int) -> str:
         """The badge of the i-th rank: its finding's, else its status's."""
-        b = self.badges.get(int(self.rank[i]), "")
-        st = self.status_col[i]
-        return b or (STATUS_BADGES.get(st, "") if st != "active" else "")
+        codes, names = self._badge_codes()
+        return names[int(codes[i])]
+
+    def _badge_codes(self) -> tuple[np.ndarray, list[str]]:
+        """Each rank's badge as an index into the distinct badges (``""`` first); made
+        once per fleet: the few ranks a finding or their status names."""
+        if self._badges is None:
+            names = [""]
+            codes = np.zeros(self.n, dtype=np.int64)
+            named = np.isin(self.rank, np.array(list(self.badges), dtype=np.int64))
+            for i in np.flatnonzero(named | ~self.active):
+                st = self.status_col[i]
+                b = self.badges.get(int(self.rank[i]), "") or (
+                    STATUS_BADGES.get(st, "") if st != "active" else "")
+                if b not in names:
+                    names.append(b)
+                codes[i] = names.index(b)
+            self._badges = codes, names
+        return self._badges
 
     def page(self, p: Page) -> PageView:
         """A page of the ranks table, as the UI sorts and filters the whole table."""
@@ -482,44 +499,41 @@ class Fleet:
         for a, b in terms.spans:
             keep |= (self.rank >= a) & (self.rank <= b)
         if terms.words:
-            node_hit = np.array([any(w in name.lower() for w in terms.words)
-                                 for name in self.nodes], dtype=bool)
-            keep |= node_hit[self.node_of] if len(node_hit) else False
-            status_hit = np.array([any(w in s for w in terms.words) for s in STATUSES])
-            keep |= status_hit[self.status]
-            for i in self._marked():
-                if not keep[i]:
-                    badge = self.badge(int(i)).lower()
-                    keep[i] = any(w in badge for w in terms.words)
+            def hits(names: Sequence[str]) -> np.ndarray:
+                return np.array([any(w in x.lower() for w in terms.words) for x in names],
+                                dtype=bool)
+            if self.nodes:
+                keep |= hits(self.nodes)[self.node_of]
+            keep |= hits(STATUSES)[self.status]
+            codes, names = self._badge_codes()
+            keep |= hits(names)[codes]
         return keep
-
-    def _marked(self) -> np.ndarray:
-        """The indices of the ranks that wear a badge (a finding's, or their status's)."""
-        named = np.isin(self.rank, np.array(list(self.badges), dtype=np.int64))
-        return np.flatnonzero(named | ~self.active)
 
     def _sorted(self, key: str, reverse: bool) -> np.ndarray:
         """Rank indices in the table's order (``rtop.tui.model.sort_rows``)."""
         rank = self.rank
         if key == "worst":
-            weight = np.zeros(self.n, dtype=np.int64)
-            for i in self._marked():
-                weight[i] = BADGE_WEIGHT.get(self.badge(int(i)), 0)
+            codes, names = self._badge_codes()
+            weight = np.array([BADGE_WEIGHT.get(b, 0) for b in names])[codes]
             weight = weight * 10 + np.where(np.isin(self.status, _DOWN), 5, 0)
             step = np.nan_to_num(self.values("step_s"), nan=0.0)
             idx = np.lexsort((rank, -step, -weight))
             return idx[::-1] if reverse else idx
+        if key == "status":  # (badge, status) as strings; reversed, ties keep their order
+            codes, names = self._badge_codes()
+            badge_at = np.argsort(np.argsort(np.array(names, dtype=object)))
+            status_at = np.argsort(np.argsort(np.array(STATUSES, dtype=object)))
+            by_badge, by_status = badge_at[codes], status_at[self.status]
+            sign = -1 if reverse else 1
+            return np.lexsort((np.arange(self.n), sign * by_status, sign * by_badge))
         if key == "rank":
             idx = np.argsort(rank, kind="stable")
             return idx[::-1] if reverse else idx
         if key == "node":
-            names = np.argsort(np.argsort(np.array(self.nodes, dtype=object)))
-            idx = np.lexsort((rank, names[self.node_of])) if self.n else np.zeros(0, np.int64)
+            node_at = np.argsort(np.argsort(np.array(self.nodes, dtype=object)))
+            idx = np.lexsort((rank, node_at[self.node_of])) if self.n else \
+                np.zeros(0, np.int64)
             return idx[::-1] if reverse else idx
-        if key == "status":
-            keys = [(self.badge(i), self.status_col[i]) for i in range(self.n)]
-            return np.array(sorted(range(self.n), key=keys.__getitem__, reverse=reverse),
-                            dtype=np.int64)
         v = self.values(_SORT_SOURCE.get(key, key))
         have = np.flatnonzero(np.isfinite(v))
         desc = (key in DESCENDING) != reverse
