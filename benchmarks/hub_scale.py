@@ -559,8 +559,30 @@ class Generator:
         watcher = asyncio.create_task(self.watch())
         conc = self.o["connect_concurrency"]
         sem = asyncio.Semaphore(conc) if conc > 0 else None
-        await asyncio.gather(*(self.connect(c, world, group, sem) for c in conns))
-        pumps = [asyncio.create_task(self.pump(c)) for c in conns if c.alive]
+        pumps: list[asyncio.Task[None]] = []
+
+        sending = asyncio.Event()
+        settled = [0]  # connections that got in or gave up
+
+        async def connect(conn: Conn) -> None:
+            await self.connect(conn, world, group, sem)
+            settled[0] += 1
+            if settled[0] == len(conns):
+                sending.set()
+            if not conn.alive:
+                return
+            # while the others connect, it answers the hub's pings and says it is
+            # alive every 2 s (an empty batch, as a rank's sender sends one when its
+            # loop is idle), so that a slow start loses no rank to the hub's timeouts
+            pumps.append(asyncio.create_task(self.pump(conn)))
+            idle = wire.encode(wire.KIND_BATCH, {"rank": conn.rank, "group": group,
+                                                 "seq": 0, "dropped": 0})
+            while not sending.is_set() and conn.alive and conn.writer is not None:
+                conn.writer.write(idle)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(sending.wait(), 2.0)
+
+        await asyncio.gather(*(connect(c) for c in conns))
         await send([c for c in conns if c.alive])
         await self.drain_all(conns, 10.0)
         self.c.set(C_READY, 2)  # sent everything
