@@ -316,11 +316,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                        "rtop-seek-bench.rtop"))
     p.add_argument("--jumps", type=int, default=20)
     p.add_argument("--skip-seek", action="store_true")
+    p.add_argument("--seek-only", action="store_true", help="part 4 alone")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.seek_only:
+        seeking(args)
+        return 0
     with tempfile.TemporaryDirectory(prefix="rtop-recsize-") as d:
         items = list(traffic(args.ranks, args.seconds))
         old = sizes(args, Path(d), items)

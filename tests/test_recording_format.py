@@ -524,7 +524,7 @@ def test_rtop_report_and_the_spool_scan_read_the_block_format(tmp_path):
 
 
 def test_a_jump_lands_where_a_replay_from_the_start_does(tmp_path, monkeypatch):
-    """64 simulated ranks, one lost a minute in: a replay's jump (from the blocks'
+    """64 simulated ranks, one of them lost half a minute in: a replay's jump (from the blocks'
     index: the frames that make each rank's state, then the last seconds) shows every
     rank as a replay from the start to the same moment does: the same status, step,
     latest samples, clock offset, the same medians of its recent steps and findings."""
@@ -533,7 +533,7 @@ def test_a_jump_lands_where_a_replay_from_the_start_does(tmp_path, monkeypatch):
     monkeypatch.setattr(ReplaySource, "JUMP_ANALYSE_S", 15.0)  # as a replay's seek does
     # the last 15 s of frames (what 4,000 frames are of a thousand ranks: two seconds)
     monkeypatch.setattr(seek, "HISTORY_FRAMES", 15 * 2 * spec.ranks)
-    for at in (45.0, 75.0, 99.0):
+    for at in (20.0, 27.0, 45.0, 99.0):
         jumped = ReplaySource(path, paused=True)
         assert jumped.jump(at)
         played = ReplaySource(path, paused=True)
@@ -553,3 +553,10 @@ def test_a_jump_lands_where_a_replay_from_the_start_does(tmp_path, monkeypatch):
                 "mem_used_bytes"} <= a["ranks"].keys() - differ
         assert [(f["kind"], f["ranks"]) for f in a["findings"]] == \
             [(f["kind"], f["ranks"]) for f in b["findings"]], at
+    # going to a step jumps too: to the block whose steps reach it, then plays on to it
+    monkeypatch.setattr(ReplaySource, "JUMP_FRAMES", 0)
+    src = ReplaySource(path, paused=True)
+    src._open()
+    src._do_seek(lambda message: None, "step", 40)
+    assert src._max_step() == 40
+    assert src.state.frames <= seek.HISTORY_FRAMES + 10 * spec.ranks

@@ -1,26 +1,27 @@
 """Appends every frame to the run's recording, in columnar, compressed blocks.
 
 The recording starts with a ``run`` frame (what wrote it, when), then holds every frame
-the ranks sent, as received, interleaved with the hub's own ``clock`` frames (the hub's
-time, at most every 0.25 s, so a replay knows when each frame arrived), ``offset``
-frames (a rank's clock offset) and ``conn`` frames (a rank's connection closed), and
-ends with an ``end`` frame when the hub closes it (a recording without one was cut
-short: ``rtop report`` says where).
+the ranks sent (as the hub's state took it), interleaved with the hub's own ``clock``
+frames (the hub's time, at most every 0.25 s, so a replay knows when each frame
+arrived), ``offset`` frames (a rank's clock offset) and ``conn`` frames (a rank's
+connection closed), and ends with an ``end`` frame when the hub closes it (a recording
+without one was cut short: ``rtop report`` says where).
 
 Frames wait in memory and are written at each ``flush`` (the hub flushes at least once
 a second, and before it acknowledges a rank's batches) as one block of the format of
 :mod:`rtop.run.blocks`: a checksummed header and a zstandard-compressed body in which
 the frames of one kind lie column by column, the records of every rank's batches too.
-The measurements of the records are rounded to 18 significant bits (4 parts per
-million: :mod:`rtop.run.columns`); everything else is kept exact. Every minute of the
-hub's time a keyframe block follows, the frames that make the run's state as of then
-(:mod:`rtop.run.keyframe`), from which a replay jumps anywhere at once. At 4,096 ranks
-this is about a tenth of the older format, a wire frame after another
+The measurements of the records are rounded to 14 significant bits (61 parts per
+million, and no finer than their unit's resolution: :mod:`rtop.run.columns`);
+everything else is kept exact. The blocks' headers say when their frames arrived and
+what they hold, so a replay jumps anywhere at once (:mod:`rtop.run.seek`). At 4,096
+ranks this is about a tenth of the older format, a wire frame after another
 (``benchmarks/recording_size.py``), which a recording started in it keeps
-(``rtop.run.recording`` reads both). A killed hub loses what waited for the next flush:
-at most a second, and nothing it had acknowledged. When the disk fills or the file
-becomes unwritable, recording stops with one error logged (``failed``); the hub serves
-its ranks and viewers all the same.
+(``rtop.run.recording`` reads both). The hub gives each frame as its state took it
+(:meth:`Recorder.raw`'s ``frame``), so it is not decoded twice. A killed hub loses what
+waited for the next flush: at most a second, and nothing it had acknowledged. When the
+disk fills or the file becomes unwritable, recording stops with one error logged
+(``failed``); the hub serves its ranks and viewers all the same.
 
 It is opened as a private file (0600, never through a symbolic link, a regular file of
 this user's: :func:`collectors.discovery.open_private`), and it never holds a secret:

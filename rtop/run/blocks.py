@@ -13,8 +13,9 @@ a full disk) or damaged is found and dropped, and reading goes on from the next 
 block. ``t_start`` is the hub's time in effect at the block's first frame and ``t_end``
 at its last (NaN before the hub's first clock), ``step_max`` the highest training step a
 step record of the block holds (-1: none): a reader finds a time or a step from the
-headers alone (:func:`scan`). ``flags`` say what the block holds (:data:`KEYFRAME`,
-:data:`RARE`, :data:`NOTES`).
+headers alone (:func:`scan`). ``flags`` say what the block holds (:data:`RARE`,
+:data:`META`, :data:`EVENTS`, :data:`STACK`, :data:`FIRST`): a replay that jumps reads
+those it needs (:mod:`rtop.run.seek`).
 
 The body holds frames as the wire format decodes them (``[kind, payload]``) in their
 order, the frames of one kind and one set of payload keys in one *group* whose keys are
@@ -28,9 +29,13 @@ payload than a block keeps apart) are kept as msgpack rows in the same block::
     group  ["c", kind, keys, n, columns, tables] | ["p", [[kind, payload], ...]]
     tables [[key's index, row lengths (a column), columns of the rows], ...]
 
-Reading gives back the very payloads written, but for the measurements of the record
-tables (every field but ``t_wall``), which the writer rounds to
-:data:`rtop.run.columns.MEASURE_BITS` significant bits unless told not to.
+Reading gives back the very payloads written, but for the float measurements of the
+record tables (every field but ``t_wall``), which the writer rounds to
+:data:`rtop.run.columns.MEASURE_BITS` significant bits, no finer than their unit's
+:data:`FLOORS`, unless told not to. A reader of a recording from someone else
+decompresses a block to at most :data:`MAX_EXPANSION` times its size (or
+:data:`SMALL_BODY_BYTES`) and decodes at most :data:`VALUES_PER_BYTE` values per byte
+of it: a forged block is refused as damaged, never a memory bomb.
 """
 
 from __future__ import annotations

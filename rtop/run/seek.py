@@ -11,21 +11,23 @@ is minutes. A jump to hub time ``t`` applies instead:
    before the last seconds are read back to front, each rank's latest batch, latest
    samples and latest clock offset taken from the first block that has them (only the
    frames wanted are built, of the groups that hold them);
-2. then the last seconds before ``t`` frame by frame, with the rolling windows: as many
-   frames as :data:`HISTORY_FRAMES` (all of the last few seconds of a thousand ranks,
-   minutes of a few).
+2. then the last moments before ``t`` frame by frame, with the rolling windows: the
+   blocks of at most :data:`HISTORY_FRAMES` frames (a second or so of a thousand ranks,
+   half a minute of 64).
 
-The state after a jump is the state a replay from the start reaches, but for the
-rolling windows (the last seconds only, filling as the replay plays on), the counts of
-steps and frames received, the events a rank sent before its latest ones, and the
-diagnosis' history (a replay's seek diagnoses the last seconds before its target).
+The state after a jump is the state a replay from the start reaches (every rank's
+status, identity, last step, latest samples, clock offset, ...), but for the rolling
+windows (the last moments only, filling as the replay plays on: the medians of recent
+steps and the sparklines are those of fewer steps at first), the counts of steps and
+frames received, the events a rank sent before its latest ones, and the diagnosis'
+history (a replay's jump diagnoses the last second before its target, and its findings
+come back as it plays on).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -36,8 +38,9 @@ from rtop.run.blocks import BlockError, BlockInfo, BlockView
 from rtop.run.facets import Facets, Key, has_stack, name
 from rtop.run.recording import index, started
 
-#: Frames at most replayed with their history after a jump (about a quarter of a second
-#: of applying them to a state, with the diagnosis).
+#: Frames at most replayed with their history after a jump: with the frames that make
+#: every rank's state, about 0.4 s of CPU for 1,024 ranks (benchmarks/recording_size.py),
+#: half a second of their frames; minutes of a few ranks'.
 HISTORY_FRAMES: Final = 4000
 #: ... and never from further back than this (a replay's seek keeps as much history).
 HISTORY_S: Final = 900.0
@@ -141,7 +144,6 @@ class _Condenser:
 
     def run(self, start: BlockInfo) -> Jump:
         with open(self.path, "rb") as self._f:
-            os.posix_fadvise(self._f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             hello_at: dict[Key, int] = {}
             for i, info in enumerate(self.blocks):
                 if i == 0 or info.flags & _FORWARD:
