@@ -330,9 +330,10 @@ class RtopApp(App[int]):
             src.seek(max(0.0, src.position + seconds))
 
     def action_goto(self) -> None:
-        """Open the overview's go-to box."""
+        """Open the go-to box (the fleet view's, else the overview's)."""
         if self._replay() is not None:
-            self.overview.open_goto()
+            target = self.screen if isinstance(self.screen, FleetScreen) else self.overview
+            target.open_goto()
 
     def on_overview_screen_goto_requested(self, event: OverviewScreen.GotoRequested) -> None:
         """Go to the time or step typed in the go-to box."""

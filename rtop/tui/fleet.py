@@ -19,7 +19,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Footer, Input, Static
 
 from rtop.analysis.viewport import (
     HEAT,
@@ -37,6 +37,7 @@ from rtop.tui.header import JobHeader
 from rtop.tui.heatmap import CODE_STYLES, FleetMap
 from rtop.tui.messages import ViewChanged
 from rtop.tui.model import RankRow, rank_rows
+from rtop.tui.overview import OverviewScreen
 
 #: What ``z`` steps through: fold when the ranks do not fit, every rank, every node.
 FOLDS: tuple[Fold, ...] = ("auto", "ranks", "nodes")
@@ -75,6 +76,8 @@ class FleetScreen(Screen[None]):
         Binding("e", "app.scaling", "scaling", show=False),
         Binding("b", "app.act('probe')", "probe links", show=False),
         Binding("k", "app.act('stacks')", "stacks", show=False),
+        Binding("colon", "app.goto", "go to", show=False),
+        Binding("escape", "close_goto", "close", show=False),
     ]
     DEFAULT_CSS = """
     FleetScreen #legend { height: 1; padding: 0 1; }
@@ -83,6 +86,8 @@ class FleetScreen(Screen[None]):
     FleetScreen #where { height: 1; padding: 0 1; background: $boost; }
     FleetScreen #dists { height: 7; padding: 0 1; }
     FleetScreen Static { text-wrap: nowrap; text-overflow: ellipsis; }
+    FleetScreen #goto { dock: bottom; height: 3; }
+    FleetScreen .hidden { display: none; }
     """
 
     def __init__(self) -> None:
@@ -107,7 +112,28 @@ class FleetScreen(Screen[None]):
             yield Static("", id="side")
         yield Static("", id="where")
         yield Static("", id="dists")
+        yield Input(placeholder="go to: 90 · 5:30 · 1:02:03 · step 1200", id="goto",
+                    classes="hidden")
         yield Footer()
+
+    def open_goto(self) -> None:
+        """Open the go-to box (a replay's)."""
+        box = self.query_one("#goto", Input)
+        box.remove_class("hidden")
+        box.focus()
+
+    def action_close_goto(self) -> None:
+        """Escape: close the go-to box."""
+        box = self.query_one("#goto", Input)
+        box.value = ""
+        box.add_class("hidden")
+        self.query_one(FleetMap).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        """Ask the app to go to the time or step typed."""
+        event.stop()
+        self.action_close_goto()
+        self.post_message(OverviewScreen.GotoRequested(event.value))
 
     def on_mount(self) -> None:
         """The map has the focus; draw what came before the widgets existed."""

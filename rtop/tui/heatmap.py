@@ -87,8 +87,12 @@ class FleetMap(ScrollView, can_focus=True):
         snapshot that changes no cell repaints nothing)."""
         keep = self.under()
         self.data, self.figure, self.fold = data, figure, fold
-        if self._relayout(keep):
+        lines = self._relayout(keep)
+        if lines is None:
             self.refresh()
+        else:  # only the lines whose cells (or cursor) changed
+            for line in sorted(lines):
+                self.refresh_lines(line)
 
     def under(self) -> tuple[int | None, str | None]:
         """(rank, node name) under the cursor; rank None on a folded node."""
@@ -106,12 +110,12 @@ class FleetMap(ScrollView, can_focus=True):
         top = int(d.ranks.max()) if d is not None and d.n else 0
         return len(str(top)) + 1
 
-    def _relayout(self, keep: tuple[int | None, str | None]) -> bool:
+    def _relayout(self, keep: tuple[int | None, str | None]) -> set[int] | None:
         """Lay the map out again if its shape changed, take the cells' new codes and put
-        the cursor back; whether anything on screen changed."""
+        the cursor back; the lines that changed (None: all of them)."""
         d = self.data
         if d is None:
-            return False
+            return set()
         width = max(1, self.scrollable_content_region.width - self._label_width())
         height = max(1, self.scrollable_content_region.height)
         shape = (width, height, self.fold, hash(d.ranks.tobytes()),
@@ -129,22 +133,29 @@ class FleetMap(ScrollView, can_focus=True):
         m = self.map
         assert m is not None
         codes = d.node_codes(self.figure) if m.folded else d.rank_codes(self.figure)
-        if changed or not np.array_equal(codes, self.codes):
-            self.codes = codes
+        lines: set[int] = set()
+        if changed or len(codes) != len(self.codes):
             self._lines.clear()
-            changed = True
+        else:
+            diff = np.flatnonzero(codes != self.codes)
+            lines = set(np.unique(m.at[diff, 0]).tolist()) if len(diff) else set()
+            for line in lines:
+                self._lines.pop(line, None)
+        self.codes = codes
         before = self.cursor
         self._put_cursor(keep)
         if self.cursor != before:
-            self._forget(before)
-            self._forget(self.cursor)
-            changed = True
-        return changed
+            lines |= {self._forget(before), self._forget(self.cursor)} - {-1}
+        return None if changed else lines
 
-    def _forget(self, item: int) -> None:
-        """Drop the cached line that holds ``item`` (the cursor came or went)."""
+    def _forget(self, item: int) -> int:
+        """Drop the cached line that holds ``item`` (the cursor came or went); that line
+        (-1 if none)."""
         if self.map is not None and 0 <= item < len(self.map.at):
-            self._lines.pop(int(self.map.at[item][0]), None)
+            line = int(self.map.at[item][0])
+            self._lines.pop(line, None)
+            return line
+        return -1
 
     def _put_cursor(self, keep: tuple[int | None, str | None]) -> None:
         """Back on the rank (or node) the cursor was on, if it is still there."""
@@ -215,16 +226,16 @@ class FleetMap(ScrollView, can_focus=True):
         m = self.map
         if m is None or not len(m.at):
             return
-        self._forget(before)
-        self._forget(self.cursor)
-        line = int(m.at[self.cursor][0])
+        old_line = self._forget(before)
+        line = self._forget(self.cursor)
         top, h = self.scroll_offset.y, self.scrollable_content_region.height
         if line < top:
             self.scroll_to(y=line, animate=False)
         elif line >= top + h:
             self.scroll_to(y=line - h + 1, animate=False)
         self._want = self.under()
-        self.refresh()
+        for changed in {old_line, line} - {-1}:  # (a scroll repaints the rest)
+            self.refresh_lines(changed)
         rank, node = self._want
         if node is not None:
             self.post_message(self.Moved(rank, node))
