@@ -17,11 +17,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from textual._doc import take_svg_screenshot  # noqa: E402
 
-from fleets import FLEET_SCENES  # noqa: E402
+from screenshots.fleets import FLEET_SCENES  # noqa: E402
 from tests.fixtures.scenes import SCENES  # noqa: E402
 
 
