@@ -298,7 +298,7 @@ class BlockWriter:
 
     def block(self, enc: Encoded, t_start: float, t_end: float) -> bytes:
         """The bytes of one block (header and compressed body)."""
-        body = self._cctx.compress(enc.body)
+        body: bytes = self._cctx.compress(enc.body)
         head = HEADER.pack(BLOCK_MAGIC, BLOCK_VERSION, enc.flags, 0, len(body),
                            len(enc.body), enc.frames, t_start, t_end, enc.step_max, 0)
         crc = zlib.crc32(body, zlib.crc32(head[:-4]))
