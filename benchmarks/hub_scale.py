@@ -1274,7 +1274,7 @@ def in_process_costs(ranks: int) -> dict[str, Any]:
     out["decode_100_rows_s"] = (time.perf_counter() - t) / n
     del state, streams, frames
     # a restart of the job: a new attempt, the old one kept for its history
-    state = RunState(window_steps=1200, window_samples=600)
+    state = RunState(window_steps=1200, window_samples=600, max_ranks=2 * ranks)
     for attempt in range(2):
         for r in range(ranks):
             state.apply(wire.Frame(wire.KIND_HELLO, hello_payload(

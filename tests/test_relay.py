@@ -374,6 +374,30 @@ def test_a_malformed_relay_frame_closes_that_relay_alone(hub: ThreadedHub,
         c.close()
 
 
+def test_a_peer_that_streams_is_not_taken_for_one_that_stalls(tmp_path: Path):
+    """A relay's frames are big and come back to back: most reads end inside one. The
+    hub closes a peer that leaves half a frame unsent for ``frame_timeout_s``, timed from
+    when that frame began, not from the first read that ended inside some frame."""
+    h = ThreadedHub(job=JOB, record="", frame_timeout_s=1.0).start()
+    try:
+        rank = RankClient(h.address, auth.role_token(h.token, "ingest"), rank=0, world=2,
+                          host=NODE, job=JOB)
+        welcomed(rank)
+        stream = b"".join(wire.encode(wire.KIND_BATCH, batch(0, seq, rank.group))
+                          for seq in range(1, 200))
+        step = 997  # not a frame's length: every write ends inside a frame
+        t0 = time.monotonic()
+        for at in range(0, len(stream), step):
+            rank.raw(stream[at:at + step])
+            time.sleep(3.0 / (len(stream) / step))
+        assert time.monotonic() - t0 > 2.5  # well past the 1 s allowed for half a frame
+        until_ack(rank, 199)
+        assert h.call(lambda hub: hub.counters["bad_frames"]) == 0
+        rank.close()
+    finally:
+        h.stop()
+
+
 def _identity(rank: int) -> dict[str, Any]:
     from tests.rankclient import identity
 
@@ -391,7 +415,7 @@ def test_a_relay_the_hub_refuses_sends_the_ranks_to_the_hub(hub: ThreadedHub):
          "--discovery-file", str(path)], cwd=ROOT, env=env, capture_output=True,
         text=True, timeout=30)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "refused this relay (bad_frame)" in proc.stdout + proc.stderr
+    assert "refused this relay (node)" in proc.stdout + proc.stderr
     assert not path.exists() and relay_off_path(path).exists()
     # the node's ranks go to the hub directly now, and start no other relay
     assert node_relay(ident, hub.address, ingest(hub)) is None

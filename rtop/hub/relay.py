@@ -70,7 +70,8 @@ from rtop import __version__
 log = logging.getLogger("rtop.relay")
 
 #: Refusals after which a relay gives up (the hub will not take it, whatever it tries).
-FINAL_REFUSALS = frozenset({"token", "protocol", "role", "forbidden", "bad_frame"})
+#: (A bad frame is not: a hub that was slow to read may have cut a frame it had half.)
+FINAL_REFUSALS = frozenset({"token", "protocol", "role", "node", "forbidden"})
 
 
 @dataclass

@@ -284,7 +284,8 @@ class RelayLinks:
         node = hello.get("node")
         if not isinstance(node, str) or not node or len(node) > MAX_NAME:
             hub.counters["refused"] += 1
-            hub.refuse(conn, "bad_frame", "a relay's hello names its node (a string)")
+            hub.refuse(conn, "node", "a relay's hello names its node (a string of at most "
+                                     f"{MAX_NAME} characters)")
             return False
         node = safe_text(node, MAX_NAME)
         old = self.by_node.get(node)

@@ -240,7 +240,10 @@ class _Conn(asyncio.Protocol):
             frames, error = exc.partial, exc
         if self.unauth:
             self.hub.admission.held(self, self.dec.pending)
-        self.partial_since = (self.partial_since or now) if self.dec.pending else None
+        # when the frame now pending began: a peer that streams big frames (a relay)
+        # ends most reads inside one, but each is another frame, not one left half-sent
+        self.partial_since = None if not self.dec.pending else (
+            now if frames or self.partial_since is None else self.partial_since)
         if frames and not self.frames_in.take(len(frames), now):
             self.hub._flood(self)
             return
