@@ -27,8 +27,8 @@ try. What it does:
 * :meth:`RayHubActor.info`, what ``rtop list`` asks, never returns a token;
 * :meth:`RayHubActor.relay` makes (or finds) the relay of a node for a large job's ranks:
   a :class:`RayRelayActor` on that node (node affinity, zero CPUs), owned by the hub
-  actor, given the ingest token (what the node's ranks have anyway); it listens on the
-  node's loopback only;
+  actor (and living as long as it), given the ingest token (what the node's ranks have
+  anyway); it listens on the node's loopback only;
 * :meth:`RayHubActor.shutdown` stops the hub only for a caller that presents its
   master or control token (compared in constant time): neither listing hubs, a rank,
   a viewer nor a stray script can end a job's hub. Without a token of the job's own,
@@ -65,6 +65,8 @@ class RayHubActor:
                                linger_s=600.0, on_exit=self._exit, nice=10).start()
 
         self._given = bool(token)
+        #: the relay actors made for the job's nodes (:meth:`relay`), by (node id, name)
+        self._relays: dict[tuple[str, str], Any] = {}
         try:
             self._hub = start(token or None)
         except RuntimeError as exc:
@@ -110,14 +112,24 @@ class RayHubActor:
 
         from collectors.discovery import RAY_NAMESPACE, safe_name
 
+        key = (node_id, node)
+        held = self._relays.get(key)
+        if held is not None:
+            try:  # alive (a relay actor is killed only from outside): the same one
+                ray.get(held.address.remote(), timeout=10)
+                return held
+            except Exception:
+                self._relays.pop(key, None)
         name = safe_name(f"rtop-relay-{self._hub.job}-{node_id[:16]}-{node}", max_len=200)
         remote_cls: Any = ray.remote(RayRelayActor)
-        return remote_cls.options(
+        # held here: an actor that no handle names any more is ended by Ray
+        handle = self._relays[key] = remote_cls.options(
             name=name, namespace=RAY_NAMESPACE, get_if_exists=True, num_cpus=0,
             max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
                 node_id, soft=False),
         ).remote(self._hub.address, auth.role_token(self._hub.token, "ingest"), node,
                  self._hub.job)
+        return handle
 
     def info(self) -> dict[str, Any]:
         """What ``rtop list`` shows: address, job, recording, and whether the job gave
@@ -146,14 +158,14 @@ class RayRelayActor:
     """One node's relay for a Ray job (:mod:`rtop.hub.relay`) on a thread of the actor's
     process, made by the job's hub actor (:meth:`RayHubActor.relay`) on that node. It
     listens on the node's loopback for the node's ranks and carries them to the hub
-    over one connection; it exits ten minutes after its last rank left (or with the hub
-    actor, which owns it)."""
+    over one connection; it lives as long as the hub actor, which owns it and holds its
+    handle."""
 
     def __init__(self, hub: str, token: str, node: str, job: str) -> None:
         from rtop.hub.relay import RelayConfig, ThreadedRelay
 
         self._relay = ThreadedRelay(RelayConfig(hub=hub, token=token, node=node, job=job,
-                                                linger_s=600.0),
+                                                linger_s=None),
                                     on_exit=self._exit).start()
 
     def _exit(self) -> None:
