@@ -12,8 +12,9 @@ Prints the median step time of each and its ratio to (a), pooled, plus the media
 the per-round ratios with a 95% bootstrap interval, and the ratio of CPU time per step
 (all the rank's threads, rtop's sender included).
 
-Part 2 - training-thread cost: per step, what ``probe.iter`` + ``probe.step`` + the
-comm hook add on the training thread, against the same loop without them.
+Part 2 - training-thread cost: per step, what ``probe.iter`` + ``probe.step`` (and
+``probe.step(tokens=...)``) + the comm hook add on the training thread, against the same
+loop without them; and what ``probe.count_flops`` costs, once.
 
     python benchmarks/collector_overhead.py [--rounds 12] [--block 60] [--no-pin]
 """
@@ -263,6 +264,14 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
                 pass
         return time.perf_counter() - t0
 
+    def instrumented_tokens() -> float:
+        """The same loop telling each step its tokens (``probe.step(tokens=...)``)."""
+        t0 = time.perf_counter()
+        for _ in probe.iter(data):
+            with probe.step(tokens=4096):
+                pass
+        return time.perf_counter() - t0
+
     # The comm hook. (1) rtop's own additions: the hook's default path in full (scaling,
     # entry, clocks, callback) with the collective itself replaced by a completed future,
     # against the same scaling + collective + callback without rtop. (2) For context,
@@ -430,6 +439,8 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
 
     loop_us = statistics.median((instrumented() - bare()) / n for _ in range(5)) * 1e6
     probe.records.clear()
+    tokens_us = statistics.median((instrumented_tokens() - bare()) / n for _ in range(5)) * 1e6
+    probe.records.clear()
     add_us = statistics.median(additions(50_000) for _ in range(9)) * 1e6
     dist.init_process_group("gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{free_port()}")
@@ -441,6 +452,7 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
     torch_us = statistics.median(r[1] for r in real) * 1e6
     print("\ntraining-thread cost per step (medians)")
     print(f"  probe.iter + probe.step:                         {loop_us:6.2f} us")
+    print(f"  probe.iter + probe.step(tokens=...):             {tokens_us:6.2f} us")
     print("  on CPU (the default): DDP's own timer, its stamps read at step exit")
     print(f"  reading DDP's stamps:                            {ddp_read_us:6.2f} us")
     print(f"  total, iter + step + that read:                  "
@@ -457,9 +469,36 @@ def thread_cost(n: int = 200_000, buckets: int = 4) -> None:
             delta, lo, hi = value
             print(f"    {name:38} {delta * 1e6:+8.1f} us  ({delta / real_step['base']:+.2%});"
                   f" 95% interval {lo * 1e6:+.0f} to {hi * 1e6:+.0f} us")
+    count_ms, forward_ms = count_flops_cost()
+    print("  probe.count_flops, once, the whole-job benchmark's model and batch (median of 7;"
+          " a FLOP counter's pass against a plain no_grad forward):")
+    print(f"    count_flops:                                   {count_ms:6.2f} ms")
+    print(f"    plain forward:                                 {forward_ms:6.2f} ms")
     print("  issuing a real 1-rank gloo allreduce, training-thread CPU per bucket:")
     print(f"    through rtop's hook {ours_us:6.1f} us, through torch's allreduce_hook "
           f"{torch_us:6.1f} us (rtop skips dist.all_reduce's Python checks)")
+
+
+def count_flops_cost(repeat: int = 7) -> tuple[float, float]:
+    """What ``probe.count_flops`` costs, once (it is not on the per-step path): its pass
+    under torch's FLOP counter, and a plain ``no_grad`` forward of the same model and
+    batch (the whole-job benchmark's), each the median of ``repeat``, in ms."""
+    import torch
+
+    from collectors.flops import count_step
+    from rtop.workload import WorkloadSpec, build_model
+
+    spec = WorkloadSpec(world_size=1, batch=256, dim=256, hidden=512, layers=3)
+    model = build_model(spec)
+    x = torch.randn(spec.batch, spec.dim)
+    counted, plain = [], []
+    for _ in range(repeat):
+        counted.append(count_step(model, (x,), {}).seconds)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(x)
+        plain.append(time.perf_counter() - t0)
+    return statistics.median(counted) * 1e3, statistics.median(plain) * 1e3
 
 
 def main() -> None:

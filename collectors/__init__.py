@@ -53,9 +53,15 @@ class NullProbe:
         """Return the iterable unchanged."""
         return iterable
 
-    def step(self) -> contextlib.nullcontext[None]:
+    def step(self, tokens: int | None = None, flops: float | None = None
+             ) -> contextlib.nullcontext[None]:
         """A context manager that does nothing."""
         return contextlib.nullcontext()
+
+    def count_flops(self, model: Any, *inputs: Any, dtype: str | None = None,
+                    **kwargs: Any) -> float | None:
+        """Count nothing (rtop is off): None."""
+        return None
 
     def checkpoint(self) -> contextlib.nullcontext[None]:
         """A context manager that does nothing."""

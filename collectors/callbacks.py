@@ -29,6 +29,28 @@ def callback_class(hooks: type[H], bases: tuple[type, ...], module: str, doc: st
     return cast("type[H]", cls)
 
 
+#: The keys of a batch (a mapping) whose tensor holds the token ids: its elements are the
+#: step's tokens (padding included, as transformers' ``num_input_tokens_seen`` counts).
+TOKEN_KEYS = ("input_ids",)
+
+
+def tokens_in(batch: Any) -> int | None:
+    """The tokens in a batch: the elements of its ``input_ids`` tensor (a mapping's, or a
+    ``BatchEncoding``'s), else None (not known). Reads shapes only: no device sync."""
+    getter = getattr(batch, "get", None)
+    if getter is None:
+        return None
+    for key in TOKEN_KEYS:
+        try:
+            ids = getter(key)
+        except Exception:
+            return None
+        numel = getattr(ids, "numel", None)
+        if numel is not None:
+            return int(numel())
+    return None
+
+
 class Resume:
     """Iterating it continues ``it`` where it is (``iter()`` on the framework's loader
     or epoch iterator would restart it, or is not allowed)."""
@@ -91,14 +113,14 @@ class CallbackHooks:
         self._probe = probe
         return probe
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, tokens: int | None = None) -> None:
         """A step starts: the probe's step is entered (a step still open, one that never
-        reached its end hook, is ended first)."""
+        reached its end hook, is ended first), with the tokens of its batch when known."""
         probe = self._probe
         if probe is None:
             return
         self._end_step()
-        step = probe.step()
+        step = probe.step(tokens=tokens)
         step.__enter__()
         self._step = step
 

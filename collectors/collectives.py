@@ -201,9 +201,41 @@ def tensor_bytes(x: Any, depth: int = 0) -> int:
 
 # ---- what a step's collectives add up to (pure; on the sender thread) ----------------
 
-#: One collective in a step: ``(op, start, end, nbytes, group_size, count)``; ``count``
-#: is how many calls it stands for (DDP's timer gives one span for all its buckets).
-Call = tuple[str, float, float, int, int, int]
+#: One collective in a step: ``(op, start, end, nbytes, group_size, count, group)``;
+#: ``count`` is how many calls it stands for (DDP's timer gives one span for all its
+#: buckets), ``group`` the ``ProcessGroup`` it ran on (None: not known).
+Call = tuple[str, float, float, int, int, int, Any]
+
+
+def by_op(calls: Sequence[Call]) -> list[list[Any]]:
+    """``calls`` split by collective, in :data:`OPS`' order: one ``[op, s, bytes, calls,
+    busbw_Bps]`` per collective that ran, ``s`` the union of its own intervals."""
+    ops: dict[str, list[Call]] = {}
+    for c in calls:
+        ops.setdefault(c[0], []).append(c)
+    out: list[list[Any]] = []
+    for op in sorted(ops, key=lambda o: (OPS.index(o) if o in OPS else len(OPS), o)):
+        cs = ops[op]
+        s = union_length((c[1], c[2]) for c in cs)
+        b = sum(c[3] * bus_factor(c[0], c[4]) for c in cs)
+        out.append([op, s, sum(c[3] for c in cs), sum(c[5] for c in cs),
+                    b / s if s > 0 and b > 0 else None])
+    return out
+
+
+def by_group(calls: Sequence[Call], name: Callable[[Any], str | None], world: str | None
+             ) -> dict[str, dict[str, list[Any]]] | None:
+    """``calls`` split by the process group they ran on (named by ``name``), then by
+    collective (:func:`by_op`): ``{group: {op: [s, bytes, calls, busbw_Bps]}}``; None when
+    every one ran on the default group ``world`` (or on no known group)."""
+    groups: dict[str, list[Call]] = {}
+    for c in calls:
+        g = name(c[6]) if c[6] is not None else None
+        if g is not None:
+            groups.setdefault(g, []).append(c)
+    if not groups or set(groups) <= {world}:
+        return None
+    return {g: {row[0]: row[1:] for row in by_op(cs)} for g, cs in groups.items()}
 
 
 class StepCollectives:
@@ -228,23 +260,15 @@ class StepCollectives:
         busbw = bus / comm_s if comm_s > 0 and bus > 0 else None
         self.comm: tuple[Any, ...] = (comm_s, min(exposed_s, comm_s), nbytes,
                                       sum(c[5] for c in calls), algbw, busbw)
-        by_op: dict[str, list[Call]] = {}
-        for c in calls:
-            by_op.setdefault(c[0], []).append(c)
-        self.split: list[list[Any]] = []
-        for op in sorted(by_op, key=lambda o: (OPS.index(o) if o in OPS else len(OPS), o)):
-            cs = by_op[op]
-            s = union_length((c[1], c[2]) for c in cs)
-            b = sum(c[3] * bus_factor(c[0], c[4]) for c in cs)
-            self.split.append([op, s, sum(c[3] for c in cs), sum(c[5] for c in cs),
-                               b / s if s > 0 and b > 0 else None])
+        self.split: list[list[Any]] = by_op(calls)
 
 
 def direct_calls(entries: Sequence[Sequence[Any]], end: float) -> list[Call]:
     """The step's direct collective entries (``[op, launch, done, nbytes, group_size,
-    count]``, times on one clock) as calls; one still in flight ends at ``end``."""
+    count, group]``, times on one clock; ``group`` absent from an older entry) as calls;
+    one still in flight ends at ``end``."""
     return [(str(e[0]), float(e[1]), float(e[2]) if e[2] is not None else end, int(e[3]),
-             int(e[4]), int(e[5])) for e in entries]
+             int(e[4]), int(e[5]), e[6] if len(e) > 6 else None) for e in entries]
 
 
 # ---- on the training thread: the wrappers -------------------------------------------
@@ -361,7 +385,7 @@ def _launch(probe: Probe, comm: CommTiming, group: Any, op: str, pos: int,
             launch = cuda.record(stream)  # None while a graph is captured
         else:  # a device collective timed on the host would read ~0: not measured
             launch = None
-    entry: list[Any] = [op, launch, None, nbytes, size, 1]
+    entry: list[Any] = [op, launch, None, nbytes, size, 1, group]
     calls = comm.calls
     if calls is not None and len(calls) < MAX_CALLS_PER_STEP:
         calls.append(entry)
@@ -602,7 +626,7 @@ def _graph_replayed() -> None:
     probe = _STATE.probe
     calls = probe.comm.calls if probe is not None else None
     if calls is not None and len(calls) < MAX_CALLS_PER_STEP:
-        calls.append(["all_reduce", None, None, 0, 1, 0])
+        calls.append(["all_reduce", None, None, 0, 1, 0, None])
 
 
 def _patch(cls: Any, name: str, wrap: Callable[[Any], Callable[..., Any]]) -> None:

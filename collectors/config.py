@@ -13,6 +13,9 @@
 | ``RTOP_SPOOL`` | ``0``: records still unsent at exit are dropped, not spooled | on |
 | ``RTOP_SPOOL_MAX_BYTES`` | the most a rank's spool file may hold (oldest left out) | 64 MiB |
 | ``RTOP_PROBE_MEMORY_SHARE`` | the most of its free memory a link probe may take on a rank | 0.25 |
+| ``RTOP_FLOPS_PER_STEP`` | the model FLOPs of one step of this rank (TFLOPS, MFU) | — |
+| ``RTOP_FLOPS_DTYPE`` | the precision of MFU's peak: bf16, fp16, tf32, fp32, fp8 | bf16 |
+| ``RTOP_PIPELINE_STAGE`` | this rank's pipeline stage (its peers: its stage's) | groups' |
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ log = logging.getLogger("collectors")
 TOKEN_FILE_MAX_BYTES = 4096
 #: How a DDP model's allreduce may be timed (``ProbeConfig.comm_timing``).
 COMM_TIMINGS = ("ddp", "hook")
+#: The precisions MFU may be measured against (``ProbeConfig.flops_dtype``).
+DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 
 
 class TokenFileError(ValueError):
@@ -119,6 +124,26 @@ def _share(name: str, default: float) -> float:
     return default
 
 
+def _dtype(value: str) -> str | None:
+    return None if value == "auto" else value
+
+
+def _positive(name: str) -> float | None:
+    """A positive number from the environment (None when absent); anything else is
+    logged and ignored."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if number > 0 and number != float("inf"):
+        return number
+    log.warning("rtop: %s=%s ignored: it is a positive number", name, value)
+    return None
+
+
 def _int_or_none(name: str) -> int | None:
     try:
         return int(float(os.environ[name]))
@@ -178,6 +203,15 @@ class ProbeConfig:
     #: host's for all the node's ranks) beyond which this rank refuses the probe
     #: (``collectors.linkprobe.affordable``); between 0 (exclusive) and 1.
     probe_memory_share: float = REFUSE_SHARE
+    #: The model FLOPs of one step of this rank, when known beforehand (else
+    #: ``probe.count_flops`` or ``probe.step(flops=...)``); None: not known.
+    flops_per_step: float | None = None
+    #: The precision the GPU's peak is read for, for MFU (one of :data:`DTYPES`); None:
+    #: as ``count_flops`` finds it, else bf16 (the hub says it assumed it).
+    flops_dtype: str | None = None
+    #: This rank's pipeline stage, when the job's groups do not say (the hub reads it
+    #: from a pipeline group's description: ``mesh_pp``, ``PIPELINE_MODEL_PARALLEL``).
+    pipeline_stage: int | None = None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ProbeConfig:
@@ -194,6 +228,9 @@ class ProbeConfig:
             spool=os.environ.get("RTOP_SPOOL", "1").lower() not in ("0", "false", "no"),
             spool_max_bytes=_int_or_none("RTOP_SPOOL_MAX_BYTES") or cls.spool_max_bytes,
             probe_memory_share=_share("RTOP_PROBE_MEMORY_SHARE", cls.probe_memory_share),
+            flops_per_step=_positive("RTOP_FLOPS_PER_STEP"),
+            flops_dtype=_dtype(_choice("RTOP_FLOPS_DTYPE", DTYPES, "auto")),
+            pipeline_stage=_int_or_none("RTOP_PIPELINE_STAGE"),
         )
         known = {f.name for f in fields(cls)}
         unknown = set(overrides) - known

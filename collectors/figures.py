@@ -252,8 +252,16 @@ FIGURES: Final[tuple[Figure, ...]] = (
            column=Column("busbw", 10, "rate", at=50, drop=3),
            text=Text("busbw GB/s", 10, 1e-9, 3)),
     Figure("samples", "steps", "samples in the batch, when the batch tells its size",
-           window=True, report="median", report_key="samples_per_step",
+           window=True, diagnosis=True, report="median", report_key="samples_per_step",
            prometheus=(Prom("rtop_step_samples", "Median samples per step"),)),
+    Figure("tokens", "steps", "tokens in the step's batch, when the loop says "
+           "(probe.step(tokens=...)) or a callback finds input_ids", window=True,
+           diagnosis=True, report="median", report_key="tokens_per_step",
+           prometheus=(Prom("rtop_step_tokens", "Median tokens per step"),)),
+    Figure("flops", "steps", "model FLOPs of the rank's step: given (probe.step(flops=...), "
+           "RTOP_FLOPS_PER_STEP) or counted once (probe.count_flops)", window=True,
+           diagnosis=True, report="median", report_key="flops_per_step",
+           prometheus=(Prom("rtop_step_flops", "Median model FLOPs of the rank's step"),)),
     Figure("gap_s", "steps", "time between the previous step's end and this iteration's "
            "start", window=True,
            prometheus=(Prom("rtop_gap_seconds", "Median time between a step's end and the "

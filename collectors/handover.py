@@ -63,7 +63,7 @@ class CommTiming:
     the step) or DDP's own timer (:meth:`use_ddp_timer`: ``ddp_logger`` is read at step
     exit). Every other collective (FSDP's all-gathers and reduce-scatters, a user's own
     ``dist.all_reduce``), once :meth:`use_direct` (``collectors.collectives``): ``calls``
-    collects ``[op, launch, done, nbytes, group_size, count]`` entries and ``blocked``
+    collects ``[op, launch, done, nbytes, group_size, count, group]`` entries and ``blocked``
     the intervals the caller spent blocked in them. None of these: collectives are not
     timed, and the step says so (``None``).
     """
@@ -90,7 +90,7 @@ class CommTiming:
         #: Told ``(point, error)`` when timing fails (the probe's fault record).
         self.on_failure: Callable[[str, BaseException], Any] | None = None
         #: This step's direct collectives (``[op, launch, done, nbytes, group_size,
-        #: count]``) while ``collectors.collectives`` times them, else None.
+        #: count, group]``) while ``collectors.collectives`` times them, else None.
         self.calls: list[Any] | None = None
         #: This step's intervals ``(start, end)`` spent blocked in a direct collective
         #: (the call itself on CPU, ``Work.wait()``).

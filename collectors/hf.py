@@ -32,7 +32,10 @@ What it measures, the same figures as the contract API (``collectors.start``,
   than inside the step's allreduce.
 * **Step** (``on_step_begin`` to ``on_step_end``): one optimizer step, that is every
   micro-batch of a gradient-accumulation cycle (forward and backward, the ``no_sync``
-  ones and the last one that all-reduces), gradient clipping and the optimizer step.
+  ones and the last one that all-reduces), gradient clipping and the optimizer step;
+  its tokens are the elements of the ``input_ids`` of the micro-batches
+  ``get_batch_samples`` returned for it (padding included, as the Trainer's
+  ``num_input_tokens_seen`` counts them).
   Logging, evaluation and checkpoints after ``on_step_end`` fall between steps.
 * **Close** (``on_train_end``): the probe is closed if this callback started it. A run
   that raises ends without ``on_train_end``: the probe then closes at exit and the
@@ -52,7 +55,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 from collectors import guard
-from collectors.callbacks import CallbackHooks, Resume, callback_class
+from collectors.callbacks import CallbackHooks, Resume, callback_class, tokens_in
 from collectors.probe import Probe
 
 __all__ = ["POINTS", "RtopCallback"]
@@ -90,6 +93,7 @@ class _HFHooks(CallbackHooks):
         self._wrapper: Any = None  # ... and the wrapper put there
         self._source: Any = None  # the epoch iterator last handed to get_batch_samples
         self._timed: Any = None  # ... and its timed iterator
+        self._tokens: int | None = None  # the tokens of the step's batches, once counted
 
     # ---- transformers' hooks ------------------------------------------------------
 
@@ -166,7 +170,9 @@ class _HFHooks(CallbackHooks):
             return
 
         def get_batch_samples(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
-            return original(self._timed_iterator(epoch_iterator), *args, **kwargs)
+            got = original(self._timed_iterator(epoch_iterator), *args, **kwargs)
+            self._count_tokens(got)
+            return got
 
         trainer.get_batch_samples = get_batch_samples
         self._trainer, self._wrapper = trainer, get_batch_samples
@@ -188,8 +194,23 @@ class _HFHooks(CallbackHooks):
             self._source, self._timed = it, iter(probe.iter(Resume(it)))
         return self._timed
 
+    def _count_tokens(self, got: Any) -> None:
+        """The tokens of the micro-batches ``get_batch_samples`` returned (each one's
+        ``input_ids`` elements), for the step about to begin; guarded point
+        ``hf.batches``."""
+        if self._off:
+            return
+        try:
+            batches = got[0] if isinstance(got, tuple) and got else got
+            counts = [tokens_in(b) for b in batches] if isinstance(batches, list) else []
+            self._tokens = sum(c for c in counts if c is not None) \
+                if counts and all(c is not None for c in counts) else None
+        except Exception as exc:  # never raise into the job
+            self._failed("hf.batches", exc)
+
     def _step_begin(self) -> None:
-        self._begin_step()  # a step still open never reached on_step_end (training stopped)
+        tokens, self._tokens = self._tokens, None
+        self._begin_step(tokens)  # a step still open never reached on_step_end
 
     def _step_end(self) -> None:
         self._end_step()

@@ -31,8 +31,10 @@ What it measures, the same figures as the contract API (``collectors.start``, ``
   ``training_step`` that takes ``dataloader_iter`` (it fetches inside the step), leaves
   data wait not measured (``None``), with a note.
 * **Step** (``on_train_batch_start`` to ``on_train_batch_end``): forward, backward and the
-  optimizer step of one batch. With gradient accumulation each batch is a step; the
-  batches that do not synchronise report their allreduce as 0, as ``no_sync`` does.
+  optimizer step of one batch, with its tokens when the batch is a mapping with
+  ``input_ids`` (their elements; samples come from the loader's batches). With gradient
+  accumulation each batch is a step; the batches that do not synchronise report their
+  allreduce as 0, as ``no_sync`` does.
 * **Close** (``on_fit_end``, ``teardown``, ``on_exception``): the probe is closed if this
   callback started it; an exception is sent to the hub as the rank's error.
 
@@ -51,7 +53,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Final
 
 from collectors import guard
-from collectors.callbacks import CallbackHooks, Resume, callback_class
+from collectors.callbacks import CallbackHooks, Resume, callback_class, tokens_in
 from collectors.probe import Probe, TimedIterable, untimed
 
 __all__ = ["POINTS", "RtopCallback"]
@@ -110,8 +112,8 @@ class _LightningHooks(CallbackHooks):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
                              *args: Any) -> None:
-        """A step starts."""
-        self._run("lightning.batch_start", self._batch_start)
+        """A step starts (with its batch's tokens, when it has ``input_ids``)."""
+        self._run("lightning.batch_start", self._batch_start, batch)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int, *args: Any) -> None:
@@ -174,8 +176,9 @@ class _LightningHooks(CallbackHooks):
             fetcher.iterator = iter(probe.iter(Resume(fetcher.iterator)))
         self._fetcher = fetcher
 
-    def _batch_start(self) -> None:
-        self._begin_step()  # a batch the module skipped never reached on_train_batch_end
+    def _batch_start(self, batch: Any) -> None:
+        # a batch the module skipped never reached on_train_batch_end: _begin_step ends it
+        self._begin_step(tokens_in(batch))
 
     def _batch_end(self) -> None:
         self._end_step()

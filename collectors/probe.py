@@ -228,13 +228,13 @@ class _StepTimer:
             gap = t_start - p._prev_exit if p._prev_exit is not None else None
             record: RawStep = (
                 p._step, t_start, p._wait_s, p._t_enter, t, p._samples, buckets, gap,
-                cuda_pair, direct,
+                cuda_pair, direct, p._given,
             )
             if len(p.records) < p._capacity:
                 p.records.append(record)
             else:
                 p.dropped_buffer += 1
-            p._wait_t0 = p._wait_s = p._samples = None
+            p._wait_t0 = p._wait_s = p._samples = p._given = None
             p._prev_exit = t
             p._step += 1
             a.phase, a.since = "idle", t
@@ -322,6 +322,8 @@ class Probe:
         self._wait_t0: float | None = None
         self._wait_s: float | None = None
         self._samples: int | None = None
+        #: what the loop said of the step under way (``step(tokens=, flops=)``), or None
+        self._given: tuple[int | None, float | None] | None = None
         self._t_enter = 0.0
         self._prev_exit: float | None = None
         self._cuda_start: Any = None
@@ -330,9 +332,18 @@ class Probe:
         self._iter_off = False
         #: Notes for the hub (what is measured and how; what was turned off and why).
         self.notes: list[str] = []
-        #: Figures integrations measured, by name (``collectors.raytrain``: "ray_data"),
-        #: sent with the notes; a value is replaced whole, never changed in place.
+        #: Figures integrations measured, by name (``collectors.raytrain``: "ray_data";
+        #: :meth:`count_flops`: "flops"; the settings' "pipeline_stage"), sent with the
+        #: notes; a value is replaced whole, never changed in place.
         self.figures: dict[str, Any] = {}
+        #: The model FLOPs of one step when a step does not say (:meth:`count_flops`, or
+        #: the ``flops_per_step`` setting); None: not known.
+        self.flops_per_step: float | None = self.config.flops_per_step
+        if self.config.flops_per_step is not None:
+            self.figures["flops"] = {"per_step": self.config.flops_per_step,
+                                     "dtype": self.config.flops_dtype, "source": "setting"}
+        if self.config.pipeline_stage is not None:
+            self.figures["pipeline_stage"] = self.config.pipeline_stage
         #: Features turned off after a failure at one of ``collectors.guard``'s points.
         self.faults = Faults(self.notes)
         self.comm.on_failure = self.fault
@@ -391,9 +402,45 @@ class Probe:
                 self.cuda.release(start)
             a.phase, a.since = "idle", time.perf_counter()
 
-    def step(self) -> _StepTimer | _NoStep:
-        """Context manager around one training step (forward, backward, optimizer)."""
+    def step(self, tokens: int | None = None, flops: float | None = None
+             ) -> _StepTimer | _NoStep:
+        """Context manager around one training step (forward, backward, optimizer).
+
+        ``tokens``: the tokens in the step's batch (for tokens/s); ``flops``: the model
+        FLOPs of this rank's step, when the loop knows them (else :meth:`count_flops`'s or
+        the ``flops_per_step`` setting's figure is used). Both optional: a step without
+        them costs what it did before."""
+        if tokens is not None or flops is not None:
+            self._given = (tokens, flops)
         return self._step_timer
+
+    def count_flops(self, model: Any, *inputs: Any, dtype: str | None = None,
+                    **kwargs: Any) -> float | None:
+        """Count the model FLOPs of one training step once, with torch's FLOP counter
+        (``torch.utils.flop_counter.FlopCounterMode``), for model TFLOPS and MFU: one
+        forward pass of ``model`` (a DDP or FSDP wrapper's own module for a DDP model, so
+        no collective runs) on ``inputs`` (one batch as the loop gives it) under
+        ``torch.no_grad()``, its FLOPs times 3 (the backward pass costs twice the
+        forward: the usual model-FLOPs convention, without recomputation). Call it once,
+        before or between steps; it costs one forward pass, slowed by the counter
+        (:mod:`collectors.flops`), and every later step that does not say its own FLOPs
+        (``step(flops=...)``) uses the count. ``dtype`` is the precision the GPU's peak is
+        read for (``"bf16"``, ``"fp16"``, ``"tf32"``, ``"fp32"``, ``"fp8"``); by default
+        the autocast's, else the model's parameters' when 16-bit, else the hub assumes
+        bf16 and says so. Returns the FLOPs per step, or None when they could not be
+        counted (a note says why); never raises into the job."""
+        from collectors import flops as counting
+
+        try:
+            counted = counting.count_step(model, inputs, kwargs, dtype)
+        except Exception as exc:
+            note = f"count_flops could not count the model's FLOPs: {exc!r}"
+            log.warning("rtop: %s", note)
+            self.notes.append(note)
+            return None
+        self.flops_per_step = counted.per_step
+        self.figures["flops"] = counted.to_meta()
+        return counted.per_step
 
     def checkpoint(self) -> _PhaseTimer:
         """Context manager around writing a checkpoint: its cost is measured and sent."""

@@ -36,6 +36,14 @@ STEP_FIELDS: Final = (
     #                 (see COLLECTIVE_OPS); None when the step's collectives were all
     #                 allreduces (a DDP model's, an older collector's): comm_s,
     #                 comm_bytes, comm_calls and busbw_Bps are then the allreduce's
+    "tokens",  # tokens in the step's batch, when the loop or a callback says
+    #            (probe.step(tokens=...)); None otherwise
+    "flops",  # the model FLOPs of this rank's step: given (probe.step(flops=...), the
+    #           flops_per_step setting) or counted once (probe.count_flops); None otherwise
+    "groups",  # the comm figures split by process group, then by collective:
+    #            {group: {op: COLLECTIVE_FIGURES}}, ``group`` the name torch gives the
+    #            ProcessGroup (the rank's meta describes each: its ranks, its desc); None
+    #            when every collective of the step ran on the default (world) group
 )
 
 #: What the ``collectives`` field of a step holds per collective, in this order.
@@ -123,7 +131,7 @@ PHASES: Final = ("idle", "data", "compute", "comm", "checkpoint")
 #: its end: a row from an older collector stops before these and reads them as None.
 ADDED_FIELDS: Final = {
     "mem": ("process_bytes",),
-    "steps": ("collectives",),
+    "steps": ("collectives", "tokens", "flops", "groups"),
 }
 
 #: Record tables by the key they travel under in a batch frame.

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from collectors import wire
 from collectors.connection import HubConnection
 from collectors.control import Control
+from collectors.groups import ProcessGroups
 from collectors.logonce import LogOnce
 from collectors.samplers import (
     GpuSampler,
@@ -34,7 +35,7 @@ from collectors.samplers import (
     TableSampler,
 )
 from collectors.schema import TABLES
-from collectors.steps import CollectiveWatch, StepRecords
+from collectors.steps import CollectiveWatch, StepContext, StepRecords
 
 if TYPE_CHECKING:
     from collectors.probe import Probe
@@ -45,6 +46,8 @@ log = logging.getLogger("collectors")
 FLUSH_RECORDS = 2048
 #: How often the perf_counter -> wall clock mapping is re-anchored.
 CLOCK_REFRESH_S = 10.0
+#: How often torch's process groups are looked over (``ProcessGroups.scan``).
+GROUPS_SCAN_S = 5.0
 
 
 class Sender(threading.Thread):
@@ -76,6 +79,10 @@ class Sender(threading.Thread):
         self._steps = StepRecords(self._cfg.cuda_resolve_timeout_s,
                                   on_error=self._step_error)
         self._bound_pool: Any = None  # the event pool whose device this thread is on
+        #: the process groups the steps' collectives ran on (named, described in meta)
+        self._groups = ProcessGroups()
+        self._groups_sent = 0  # the generation of groups the last meta described
+        self._groups_scan = 0.0  # when torch's groups are looked over next (monotonic)
         self._collective = CollectiveWatch()
         self._seq = 0
         self._meta_dirty = True
@@ -275,8 +282,16 @@ class Sender(threading.Thread):
         self._bind_cuda()
         p = self._p
         comm = p.comm
+        now = time.monotonic()
+        if now >= self._groups_scan:  # a group a step's collectives did not run on yet
+            self._groups_scan = now + GROUPS_SCAN_S
+            self._groups.scan()
+        ref = comm.ddp_ref
+        model = ref() if ref is not None else None
+        context = StepContext(p.flops_per_step, self._groups,
+                              getattr(model, "process_group", None))
         rows = self._steps.drain(p.records, p.cuda, world=comm.world, nbytes=comm.nbytes,
-                                 now=time.monotonic(), final=final)
+                                 now=now, final=final, context=context)
         self._rows["steps"] += rows
         self._n_rows += len(rows)
         events = p.events
@@ -307,7 +322,7 @@ class Sender(threading.Thread):
 
     def _meta(self) -> dict[str, Any]:
         p = self._p
-        return {
+        meta = {
             **p.figures,  # an integration's figures (collectors.raytrain: "ray_data")
             "notes": list(p.notes),
             "device": self._gpu.info(),
@@ -316,11 +331,17 @@ class Sender(threading.Thread):
             "comm_measured": p.comm.measured,
             "cuda_timing": p.cuda is not None,
         }
+        groups = self._groups.described()
+        if groups:  # the process groups its collectives ran on (collectors.groups)
+            meta["groups"] = groups
+        self._groups_sent = self._groups.generation
+        return meta
 
     def _flush(self) -> None:
         notes, figures = self._p.notes, self._p.figures
         if self._meta_dirty or self._gpu.generation != self._gpu_generation \
-                or notes != self._notes_sent or figures != self._figures_sent:
+                or notes != self._notes_sent or figures != self._figures_sent \
+                or self._groups.generation != self._groups_sent:
             self._meta_dirty = False
             self._gpu_generation = self._gpu.generation
             self._notes_sent = list(notes)

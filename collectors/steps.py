@@ -30,14 +30,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from collectors.collectives import Call, StepCollectives, direct_calls
+from collectors.collectives import Call, StepCollectives, by_group, direct_calls
 from collectors.cuda_events import CAPTURES, EventPool, seconds_between
 from collectors.timeline import comm_figures, intersection, span_comm_figures
 
+if TYPE_CHECKING:
+    from collectors.groups import ProcessGroups
+
 #: A step's collectives other than DDP's (``collectors.collectives``): ``(calls,
-#: blocked, complete)``: the calls ``[op, launch, done, nbytes, group_size, count]``,
+#: blocked, complete)``: the calls ``[op, launch, done, nbytes, group_size, count,
+#: group]``,
 #: the intervals ``(start, end)`` the caller was blocked in them, and whether the DDP
 #: part is measured or absent (False: a DDP model's timing failed, so the step's total
 #: is not known); ``()``: timing them failed (not measured); None: not timed at all.
@@ -45,13 +49,16 @@ Direct = "tuple[list[Any], list[Any], bool] | tuple[()] | None"
 
 #: A finished step as the training thread leaves it for the sender thread:
 #: (step, t_start, data_wait_s, t_enter, t_exit, samples, buckets, gap_s, cuda_pair,
-#: direct); ``buckets`` is the comm hook's bucket list, or DDP's own stamps (a tuple,
-#: see ``collectors.ddptimer``), or None when a DDP model's allreduce is not timed;
-#: ``direct`` is :data:`Direct` (a 9-item tuple, from an older caller: None).
+#: direct, given); ``buckets`` is the comm hook's bucket list, or DDP's own stamps (a
+#: tuple, see ``collectors.ddptimer``), or None when a DDP model's allreduce is not
+#: timed; ``direct`` is :data:`Direct`; ``given`` what the loop said of the step
+#: (``probe.step(tokens=..., flops=...)``: ``(tokens, flops)``), None when nothing. A
+#: shorter tuple, from an older caller, has None for what it lacks.
 RawStep = tuple[
     int, float, "float | None", float, float, "int | None", "list[Any] | tuple[int, ...] | None",
     "float | None", "tuple[Any, Any] | None",
     "tuple[list[Any], list[Any], bool] | tuple[()] | None",
+    "tuple[int | None, float | None] | None",
 ]
 
 #: A step's figures on the GPU: ``(gpu_s, buckets)``, the buckets as ``[launch, done,
@@ -118,10 +125,11 @@ def ddp_comm(stamps: tuple[int, ...], t_enter: float, t_exit: float, nbytes: int
 
 
 def _ddp_calls(buckets: list[Any] | tuple[int, ...], gpu_buckets: list[Any] | None,
-               t_enter: float, t_exit: float, nbytes: int, world: int
+               t_enter: float, t_exit: float, nbytes: int, world: int, group: Any = None
                ) -> tuple[list[Call], list[tuple[float, float]]]:
-    """A DDP model's allreduce in a measured step as calls (``all_reduce``) and its
-    exposed intervals, as :func:`comm_figures` and :func:`ddp_comm` count them."""
+    """A DDP model's allreduce in a measured step as calls (``all_reduce`` on ``group``,
+    its process group) and its exposed intervals, as :func:`comm_figures` and
+    :func:`ddp_comm` count them."""
     if isinstance(buckets, tuple):
         if not buckets:
             return [], []
@@ -129,7 +137,7 @@ def _ddp_calls(buckets: list[Any] | tuple[int, ...], gpu_buckets: list[Any] | No
         if span is None or span[2] < t_enter - 0.001:
             return [], []
         start, last, end = span
-        return ([("all_reduce", start, max(start, end), nbytes, world, buckets[3])],
+        return ([("all_reduce", start, max(start, end), nbytes, world, buckets[3], group)],
                 [(max(last, start), end)])
     if gpu_buckets is not None:
         entries = [(float(b[0]), float(b[1]), int(b[2])) for b in gpu_buckets]
@@ -138,17 +146,40 @@ def _ddp_calls(buckets: list[Any] | tuple[int, ...], gpu_buckets: list[Any] | No
     if not entries:
         return [], []
     last_launch = max(b[0] for b in entries)
-    return ([("all_reduce", b[0], b[1], b[2], world, 1) for b in entries],
+    return ([("all_reduce", b[0], b[1], b[2], world, 1, group) for b in entries],
             [(max(b[0], last_launch), b[1]) for b in entries if b[1] > last_launch])
 
 
+class StepContext:
+    """What the sender knows that a step's record needs beside its raw step: the model
+    FLOPs of a step unless the loop gave its own (``flops``), how to name a process
+    group (``groups``: :class:`collectors.groups.ProcessGroups`, None: no split by
+    group) and the group a DDP model's allreduce runs on (``ddp_group``)."""
+
+    __slots__ = ("ddp_group", "flops", "groups")
+
+    def __init__(self, flops: float | None = None, groups: ProcessGroups | None = None,
+                 ddp_group: Any = None) -> None:
+        self.flops = flops
+        self.groups = groups
+        self.ddp_group = ddp_group
+
+
+_NO_CONTEXT = StepContext()
+
+
 def step_row(raw: RawStep, gpu: GpuTimes | None, clock: ClockMap, *, world: int,
-             nbytes: int) -> list[Any]:
+             nbytes: int, context: StepContext = _NO_CONTEXT) -> list[Any]:
     """One step record (``STEP_FIELDS`` order) from a raw step.
 
     ``gpu`` is the step's resolved GPU times when it was timed with CUDA events (else
     None); ``world`` is the collective's size, ``nbytes`` what DDP's timer counts as
-    one allreduce (``CommTiming``'s figures).
+    one allreduce (``CommTiming``'s figures); ``context`` the rest
+    (:class:`StepContext`).
+
+    ``tokens`` and ``flops`` are what the loop gave (``probe.step``), the FLOPs else the
+    context's. The ``groups`` field splits the step's collectives by process group, then
+    by collective, when some ran on another group than the default one.
 
     With direct collectives (``collectors.collectives``) in the step, ``comm_s`` is the
     union of every collective's interval (DDP's included), ``comm_exposed_s`` the part
@@ -160,6 +191,12 @@ def step_row(raw: RawStep, gpu: GpuTimes | None, clock: ClockMap, *, world: int,
     """
     step, t_start, wait, t_enter, t_exit, samples, buckets, gap, _ = raw[:9]
     direct = raw[9] if len(raw) > 9 else None
+    given = raw[10] if len(raw) > 10 else None
+    tokens, flops = given if given is not None else (None, None)
+    if flops is None:
+        flops = context.flops
+    namer = context.groups
+    by_groups: dict[str, dict[str, list[Any]]] | None = None
     body = t_exit - t_enter
     gpu_s = gpu[0] if gpu is not None else None
     comm: CommFigures = NOT_MEASURED
@@ -180,6 +217,10 @@ def step_row(raw: RawStep, gpu: GpuTimes | None, clock: ClockMap, *, world: int,
     if direct is None:  # only a DDP model's allreduce is timed (or nothing)
         if ddp_ok and comm[3]:
             split = {"all_reduce": [comm[0], comm[2], comm[3], comm[5]]}
+            if namer is not None:
+                g = namer.name(context.ddp_group)
+                if g is not None and g != namer.world:
+                    by_groups = {g: dict(split)}
     elif not direct or (gpu is not None and gpu_s is None):
         # timing the direct collectives failed, or their GPU events were never read
         if ddp_ok and comm[3]:
@@ -189,11 +230,13 @@ def step_row(raw: RawStep, gpu: GpuTimes | None, clock: ClockMap, *, world: int,
         entries, blocked, complete = direct
         calls = direct_calls(entries, hi)
         ddp_calls, ddp_exposed = _ddp_calls(buckets, gpu_buckets, t_enter, t_exit, nbytes,
-                                            world) if ddp_ok and buckets is not None \
-            else ([], [])
+                                            world, context.ddp_group) \
+            if ddp_ok and buckets is not None else ([], [])
         exposed = intersection([(c[1], c[2]) for c in calls], blocked) + ddp_exposed
         figures = StepCollectives(ddp_calls + calls, exposed, lo, hi)
         split = {row[0]: row[1:] for row in figures.split} or None
+        if namer is not None:
+            by_groups = by_group(ddp_calls + calls, namer.name, namer.world)
         if not complete or (buckets is not None and not ddp_ok):
             comm, exposed_in = NOT_MEASURED, None  # a part is missing: the total is unknown
         elif calls:
@@ -208,7 +251,7 @@ def step_row(raw: RawStep, gpu: GpuTimes | None, clock: ClockMap, *, world: int,
         compute = max(0.0, body - min(exposed_in or 0.0, body))
     step_s = (t_exit - t_start) + (gap or 0.0)
     return [step, clock.wall(t_start), step_s, wait, compute, gpu_s, *comm, samples, gap,
-            split]
+            split, tokens, flops, by_groups]
 
 
 #: Words of CUDA's errors about graph capture (``cudaErrorCapturedEvent``, ``...Capture
@@ -264,7 +307,7 @@ def host_direct(direct: Any) -> bool:
 
 def _with_direct(raw: RawStep, direct: Any) -> RawStep:
     """``raw`` with its direct collectives replaced."""
-    return (*raw[:9], direct)
+    return (*raw[:9], direct, raw[10] if len(raw) > 10 else None)
 
 
 class PendingCudaStep:
@@ -368,8 +411,8 @@ class PendingCudaStep:
                                                      for b in blocked):
             return ()  # a collective (or a wait) that could not be timed
         return (
-            [[x[0], at(x[1]), at(x[2]) if x[2] is not None else gpu_s, x[3], x[4], x[5]]
-             for x in entries],
+            [[x[0], at(x[1]), at(x[2]) if x[2] is not None else gpu_s, x[3], x[4], x[5],
+              x[6] if len(x) > 6 else None] for x in entries],
             [(at(b[0]), at(b[1])) for b in blocked],
             complete,
         )
@@ -483,9 +526,11 @@ class StepRecords:
         self.unreadable = 0
 
     def drain(self, raws: deque[RawStep], pool: EventPool | None, *, world: int,
-              nbytes: int, now: float, final: bool = False) -> list[list[Any]]:
+              nbytes: int, now: float, final: bool = False,
+              context: StepContext = _NO_CONTEXT) -> list[list[Any]]:
         """Take every raw step from ``raws`` (popped from the left) and return the step
-        records that can be made now; ``final``: the last call, nothing waits."""
+        records that can be made now (``context``: see :func:`step_row`); ``final``: the
+        last call, nothing waits."""
         rows: list[list[Any]] = []
         while raws:
             raw = raws.popleft()
@@ -506,16 +551,17 @@ class StepRecords:
                 if pool is not None:
                     pool.release(*direct_events(direct))
                 raw = _with_direct(raw, ())
-            self._row(rows, raw, None, world, nbytes)
+            self._row(rows, raw, None, world, nbytes, context)
         if self.pending:
             for raw, gpu in self.pending.ready(now, pool, final, self.on_error):
-                self._row(rows, raw, gpu, world, nbytes)
+                self._row(rows, raw, gpu, world, nbytes, context)
         return rows
 
     def _row(self, rows: list[list[Any]], raw: RawStep, gpu: GpuTimes | None, world: int,
-             nbytes: int) -> None:
+             nbytes: int, context: StepContext) -> None:
         try:
-            rows.append(step_row(raw, gpu, self.clock, world=world, nbytes=nbytes))
+            rows.append(step_row(raw, gpu, self.clock, world=world, nbytes=nbytes,
+                                 context=context))
         except Exception as exc:
             self.unreadable += 1
             if self.on_error is not None:

@@ -26,6 +26,17 @@ writes together, every GPU power-capped (SM clock ~92 % of its maximum with the 
 ``sw_power_cap`` reason, as H100s run under load), warm nodes (a few degrees hotter, a
 little slower), NCCL jitter with rare spikes, and rank clocks a few tens of ms apart.
 
+**Pipeline stages** (``FleetSpec.stages``): the ranks split into that many contiguous
+blocks, one per stage (the data-parallel group of a stage: its block; the pipeline
+group of a rank: the ranks at its place in every block), each stage's step made of its
+own work (``stage_compute``: the last stage computes the loss head, longer; ``stage_data``:
+the first stage loads the batches, the others wait little), so that ranks of different
+stages are not peers. The ranks say their groups in their ``meta`` as a real collector
+does (``collectors.groups``: a ``mesh_pp`` group, their place in it their stage, and a
+``mesh_dp`` group), unless ``announce_stages`` is off (a fleet the diagnosis cannot tell
+apart), and each step's allreduce is split by group (``groups``: on the stage's data-
+parallel group).
+
 **The faults** (:data:`FAULTS`): a starved rank, a compute straggler, a slow node, a
 thermally throttled GPU, a memory leak (slow and fast), a hang, a lost rank, a lost node,
 a fail-slow that comes and goes, an input-bound job (every rank waits for data), a slow
@@ -119,6 +130,47 @@ class FleetSpec:
     seed: int = 0
     noise: Noise = field(default_factory=Noise)
     job: str = "fleet-job"
+    stages: int = 1  # pipeline stages (see the module doc); 1: plain data parallelism
+    #: per stage: its compute, as a share of ``step_s`` (default: 1, ..., the last 1.4)
+    stage_compute: tuple[float, ...] = ()
+    #: per stage: its data wait, as a multiple of the noise's (default: the first 8x,
+    #: the others 0.5x)
+    stage_data: tuple[float, ...] = ()
+    announce_stages: bool = True  # the ranks say their process groups in their meta
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.ranks % self.stages:
+            raise ValueError(f"{self.stages} pipeline stages do not split {self.ranks} ranks "
+                             "evenly")
+        for name in ("stage_compute", "stage_data"):
+            given = getattr(self, name)
+            if given and len(given) != self.stages:
+                raise ValueError(f"{name} gives {len(given)} stages, not {self.stages}")
+
+    def stage_of(self, rank: int) -> int:
+        """A rank's pipeline stage (0 with one stage)."""
+        return rank // (self.ranks // self.stages)
+
+    def stage_factors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per stage: its compute factor and its data-wait factor (module doc)."""
+        k = self.stages
+        compute = self.stage_compute or (1.0,) * (k - 1) + ((1.4,) if k > 1 else (1.0,))
+        data = self.stage_data or ((8.0,) + (0.5,) * (k - 1) if k > 1 else (1.0,))
+        return np.array(compute, dtype=float), np.array(data, dtype=float)
+
+    def groups_of(self, rank: int) -> list[dict[str, Any]]:
+        """The process groups a rank says it is in (``collectors.groups``' shape)."""
+        if self.stages == 1:
+            return []
+        dp = self.ranks // self.stages
+        stage, place = divmod(rank, dp)
+        return [{"name": "0", "desc": "default_pg", "size": self.ranks, "rank": rank,
+                 "ranks": f"0-{self.ranks - 1}", "world": True},
+                {"name": f"pp{place}", "desc": "mesh_pp", "size": self.stages, "rank": stage,
+                 "ranks": f"{place}-{place + (self.stages - 1) * dp}:{dp}"
+                 if self.stages > 2 else f"{place},{place + dp}"},
+                {"name": f"dp{stage}", "desc": "mesh_dp", "size": dp, "rank": place,
+                 "ranks": f"{stage * dp}-{stage * dp + dp - 1}"}]
 
     @property
     def nodes(self) -> int:
@@ -297,6 +349,9 @@ class _Fleet:
         n = spec.ranks
         self.n = n
         self.speed = 1.0 + nz.speed_spread * np.clip(self.rng.standard_normal(n), -3, 3)
+        compute_k, data_k = spec.stage_factors()
+        stage = np.arange(n) // (n // spec.stages)
+        self.stage_compute, self.stage_data = compute_k[stage], data_k[stage]
         self.node_of = np.arange(n) // spec.per_node
         warm_nodes = self.rng.random(spec.nodes) < nz.warm_nodes
         self.warm = warm_nodes[self.node_of]
@@ -319,7 +374,7 @@ class _Fleet:
     def step(self, s: int, t: float) -> dict[str, np.ndarray]:
         """One step's per-rank figures, the step starting ``t`` seconds into the run."""
         spec, nz, rng, n = self.spec, self.spec.noise, self.rng, self.n
-        compute = spec.step_s * self.speed
+        compute = spec.step_s * self.speed * self.stage_compute
         if nz.step_jitter:
             compute = compute * np.exp(nz.step_jitter * rng.standard_normal(n))
         if nz.rank0_extra:
@@ -329,8 +384,8 @@ class _Fleet:
         if nz.gc_p:
             gc = rng.random(n) < nz.gc_p
             compute = compute + np.where(gc, rng.uniform(*nz.gc_s, n), 0.0)
-        data = nz.data_wait_s * (np.exp(nz.data_jitter * rng.standard_normal(n))
-                                 if nz.data_jitter else np.ones(n))
+        data = nz.data_wait_s * self.stage_data * (
+            np.exp(nz.data_jitter * rng.standard_normal(n)) if nz.data_jitter else np.ones(n))
         data += self.hiccup_next
         self.hiccup_next = np.zeros(n)
         if nz.hiccup_p:
@@ -543,6 +598,8 @@ class _Run:
                 if seq[r] == 0:
                     payload["meta"] = {"device": {"name": GPU_NAME, "nvlink_links": 18,
                                                   "index": r % spec.per_node}}
+                    if spec.stages > 1 and spec.announce_stages:
+                        payload["meta"]["groups"] = spec.groups_of(r)
                 if len(payload) <= 5 and "meta" not in payload:
                     continue
                 seq[r] += 1
@@ -564,6 +621,13 @@ class _Run:
         busbw = spec.comm_bytes * 2 * (n - 1) / n / comm_s if n > 1 and comm_s > 0 else None
         compute = float(fig["compute"][r])
         exposed = float(fig["exposed"][r])
+        groups = None
+        if spec.stages > 1:  # the allreduce runs on the stage's data-parallel group
+            dp = n // spec.stages
+            groups = {f"dp{spec.stage_of(r)}": {"all_reduce": [
+                comm_s, int(spec.comm_bytes), 25,
+                spec.comm_bytes * 2 * (dp - 1) / dp / comm_s if dp > 1 and comm_s > 0
+                else None]}}
         return _row(STEP_FIELDS, {
             "step": num, "t_wall": T0 + t + float(fleet.offset[r]), "step_s": step,
             "data_wait_s": float(fig["data"][r]), "compute_s": compute,
@@ -571,7 +635,8 @@ class _Run:
             "comm_bytes": int(spec.comm_bytes) if n > 1 else None,
             "comm_calls": 25 if n > 1 else None,
             "algbw_Bps": spec.comm_bytes / comm_s if n > 1 and comm_s > 0 else None,
-            "busbw_Bps": busbw, "samples": 32, "gap_s": float(fig["gap"][r])})
+            "busbw_Bps": busbw, "samples": 32, "gap_s": float(fig["gap"][r]),
+            "groups": groups})
 
     def _samples(self, payload: dict[str, Any], r: int, at: float, fleet: _Fleet,
                  last_step_end: float, hang: Fault | None, stack: str, done: int) -> None:

@@ -117,6 +117,16 @@ def fmt_rate(x: object) -> str:
     return f"{v / 1e9:.3g} GB/s" if v >= 1e9 else f"{v / 1e6:.3g} MB/s"
 
 
+def fmt_flops(x: object) -> str:
+    """FLOPs per second as TFLOPS, 3 significant figures, never in exponent form:
+    ``1,600 TFLOPS``, ``412 TFLOPS``, ``0.0213 TFLOPS``."""
+    v = num(x)
+    if v is None:
+        return NA
+    t = v / 1e12
+    return f"{t:,.0f} TFLOPS" if t >= 100 else f"{t:.3g} TFLOPS"
+
+
 def fmt_pct(x: object, scale: float = 1.0) -> str:
     """A percentage (``scale`` 100 for a fraction)."""
     v = num(x)

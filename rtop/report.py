@@ -27,8 +27,9 @@ from collectors import wire
 from collectors.figures import Figure, figures
 from collectors.raytrain import RAY_DATA_FIELDS
 from collectors.schema import COLLECTIVE_FIGURES, STEP_FIELDS, TABLES
-from rtop.analysis import AnalysisConfig, Monitor
-from rtop.fmt import fixed, fmt_ms, safe_text
+from rtop.analysis import AnalysisConfig, Monitor, roles
+from rtop.analysis.throughput import job_throughput, rank_rates
+from rtop.fmt import fixed, fmt_bytes, fmt_flops, fmt_ms, fmt_rate, safe_text
 from rtop.run.recording import ReadResult, replay
 from rtop.run.ring import nanquantile_rows
 from rtop.run.spool import (
@@ -40,7 +41,7 @@ from rtop.run.spool import (
     spool_files,
     spool_key,
 )
-from rtop.run.state import Attempt, RankState, RunState, step_split
+from rtop.run.state import MAX_GROUP_OPS, Attempt, RankState, RunState, step_split
 from rtop.run.validate import ProtocolError
 
 #: The figures a rank's entry sums up over the run (the figures' ``report``): medians,
@@ -81,6 +82,8 @@ class _Acc:
         self.spool_dropped = 0
         #: per collective: its figures per step it ran in (COLLECTIVE_FIGURES order)
         self.collectives: dict[str, list[array[float]]] = {}
+        #: the same per (process group, collective), where a step split them by group
+        self.groups: dict[tuple[str, str], list[array[float]]] = {}
 
     def add_batch(self, p: dict[str, Any]) -> None:
         for table, read in _READ.items():
@@ -107,11 +110,30 @@ class _Acc:
                 arrays = self.collectives.get(op)
                 if arrays is None:
                     arrays = self.collectives[op] = [array("d") for _ in COLLECTIVE_FIGURES]
-                for arr, v in zip(arrays, split, strict=True):
-                    arr.append(float("nan") if v is None else float(v))
+                _append(arrays, split)
+            for group, ops in (row[_S["groups"]] or {}).items():
+                for op, split in ops.items():
+                    garrays = self.groups.get((group, op))
+                    if garrays is None:
+                        if len(self.groups) >= MAX_GROUP_OPS:
+                            continue
+                        garrays = self.groups[(group, op)] = [array("d")
+                                                              for _ in COLLECTIVE_FIGURES]
+                    _append(garrays, split)
         for ev in p.get("events") or []:
             if len(ev) >= 3 and ev[1] == "checkpoint" and isinstance(ev[2], (int, float)):
                 self.checkpoints.append(float(ev[2]))
+
+
+def _append(arrays: list[array[float]], split: list[Any]) -> None:
+    for arr, v in zip(arrays, split, strict=True):
+        arr.append(float("nan") if v is None else float(v))
+
+
+def _op_medians(arrays: list[array[float]]) -> dict[str, Any]:
+    return {"s": _median(arrays[0]), "bytes": _median(arrays[1]),
+            "calls": _median(arrays[2]), "busbw_Bps": _median(arrays[3]),
+            "steps": len(arrays[0])}
 
 
 def _median(values: array[float]) -> float | int | None:
@@ -155,11 +177,26 @@ def _rank_entry(rs: RankState, acc: _Acc) -> dict[str, Any]:
     entry["checkpoints"] = len(acc.checkpoints)
     entry["checkpoint_s"] = statistics.median(acc.checkpoints) if acc.checkpoints else None
     entry["collectives"] = {
-        op: {"s": _median(arrays[0]), "bytes": _median(arrays[1]),
-             "calls": _median(arrays[2]), "busbw_Bps": _median(arrays[3]),
-             "steps": len(arrays[0])}
+        op: _op_medians(arrays)
         for op, arrays in sorted(acc.collectives.items(),
                                  key=lambda kv: -(_median(kv[1][0]) or 0.0))}
+    # per process group (collectors.groups), where some ran outside the default group
+    described = {d.get("name"): d for d in rs.meta.get("groups") or [] if isinstance(d, dict)}
+    groups: dict[str, dict[str, Any]] = {}
+    for (group, op), arrays in sorted(acc.groups.items(),
+                                      key=lambda kv: -(_median(kv[1][0]) or 0.0)):
+        if group not in groups:
+            d = described.get(group) or {}
+            groups[group] = {k: d.get(k) for k in ("desc", "ranks", "size", "rank")}
+            groups[group]["collectives"] = {}
+        groups[group]["collectives"][op] = _op_medians(arrays)
+    entry["groups"] = groups
+    entry["pipeline_stage"] = roles.stage_of(rs.meta)
+    device = rs.meta.get("device")
+    gpu = device.get("name") if isinstance(device, dict) else None
+    entry.update(rank_rates(entry["step_s"], entry["samples_per_step"],
+                            entry["tokens_per_step"], entry["flops_per_step"],
+                            gpu if isinstance(gpu, str) else None, rs.meta))
     entry["dropped_records"] = rs.dropped
     entry["spooled_records"] = acc.spooled
     entry["spool_dropped_records"] = acc.spool_dropped
@@ -230,6 +267,8 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None, *,
                          "steps": sum(r["steps"] for r in ranks), "ranks": ranks})
     findings = analyzer.all_episodes()
     current = attempts[-1]["ranks"] if attempts else []
+    last = sorted(state.attempts[-1].ranks.values(), key=lambda r: r.rank) \
+        if state.attempts else []
     return {
         "run": {
             "path": str(path),
@@ -256,6 +295,13 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None, *,
                                          if s.get("source") in ("recording", "merged")),
         },
         "ranks": current,
+        # the job's throughput over the run (the current attempt's ranks' medians):
+        # samples and tokens per second over one rank per model replica, model FLOP/s
+        # and MFU against the GPUs' peak (rtop.analysis.throughput)
+        "throughput": _job_throughput(last, current),
+        # the process groups the current attempt's collectives ran on, each with its
+        # member ranks and the medians of their per-rank figures per collective
+        "process_groups": _process_groups(current),
         # every attempt (worker group: a Ray Train or torchrun restart starts one),
         # oldest first, each with its ranks and how it ended; the last one's ranks are
         # "ranks" above, the others "previous_attempts"
@@ -271,6 +317,46 @@ def build_report(path: str | Path, thresholds: AnalysisConfig | None = None, *,
         "findings": findings,
         "thresholds": analyzer.cfg.to_dict(),
     }
+
+
+def _job_throughput(states: list[RankState], entries: list[dict[str, Any]]
+                    ) -> dict[str, Any]:
+    """The job's throughput from its ranks' run medians (``Throughput``'s shape)."""
+    def column(key: str) -> np.ndarray:
+        return np.array([np.nan if e.get(key) is None else float(e[key]) for e in entries],
+                        dtype=np.float64)
+
+    metas = [rs.meta for rs in states]
+    classes = roles.peer_classes(metas)
+    gpus = [d.get("name") if isinstance(d := m.get("device"), dict)
+            and isinstance(d.get("name"), str) else None for m in metas]
+    return dict(job_throughput(column("step_s"), column("samples_per_step"),
+                               column("tokens_per_step"), column("flops_per_step"), gpus,
+                               metas, roles.counted(metas, classes),
+                               np.ones(len(entries), dtype=bool)))
+
+
+def _process_groups(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every process group the ranks' collectives ran on (outside the default one): what
+    its members said of it, its members, and per collective the median over its members
+    of their per-step medians (time, bytes, bus bandwidth)."""
+    out: dict[str, dict[str, Any]] = {}
+    figures: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for e in entries:
+        for name, g in (e.get("groups") or {}).items():
+            group = out.setdefault(name, {"desc": g.get("desc"), "ranks": g.get("ranks"),
+                                          "size": g.get("size"), "members": [],
+                                          "collectives": {}})
+            group["members"].append(e["rank"])
+            for op, f in g["collectives"].items():
+                seen = figures.setdefault((name, op), {"s": [], "bytes": [], "busbw_Bps": []})
+                for k, values in seen.items():
+                    if f.get(k) is not None:
+                        values.append(float(f[k]))
+    for (name, op), seen in figures.items():
+        out[name]["collectives"][op] = {k: statistics.median(v) if v else None
+                                        for k, v in seen.items()}
+    return out
 
 
 def _attempt_end(att: Attempt, replaced: bool) -> str:
@@ -317,6 +403,7 @@ def format_text(report: dict[str, Any]) -> str:
            f"job {_job_label(run)}  world size {run['world_size']}  "
            f"attempts {run['attempts']}  {run['duration_s']:.0f} s recorded  "
            f"{run['frames']} frames"]
+    out += _throughput_lines(report.get("throughput"))
     out += [f"warning: {w}" for w in run["warnings"][:5]]
     out += _spool_lines(run)
     if run.get("cut"):
@@ -347,8 +434,50 @@ def format_text(report: dict[str, Any]) -> str:
             *(f"{fixed(r[key], t.scale, t.digits):>{t.width}}" for key, t in TEXT_COLUMNS),
             f"{fixed(r['headroom_bytes'], 1e-9, 2):>8} {r['status']:>8}"]))
     out += _distribution_lines(report["ranks"])
+    out += _group_lines(report.get("process_groups") or {})
     out += _attempt_lines(report) + _ray_data_lines(report["ranks"])
     return "\n".join(out)
+
+
+def _throughput_lines(t: dict[str, Any] | None) -> list[str]:
+    """The job's throughput in one line (nothing when nothing of it was measured)."""
+    if not t or all(t.get(k) is None for k in ("samples_per_s", "tokens_per_s",
+                                               "model_flops_per_s")):
+        return []
+    parts = []
+    if t.get("samples_per_s") is not None:
+        parts.append(f"{t['samples_per_s']:,.1f} samples/s")
+    if t.get("tokens_per_s") is not None:
+        parts.append(f"{t['tokens_per_s']:,.0f} tokens/s")
+    if t.get("model_flops_per_s") is not None:
+        parts.append(f"{fmt_flops(t['model_flops_per_s'])} (model)")
+    mfu = t.get("mfu")
+    if mfu is not None:
+        assumed = ", assumed" if t.get("dtype_assumed") else ""
+        parts.append(f"MFU {mfu:.1%} of {t.get('gpu')}'s dense {t.get('dtype')} "
+                     f"peak{assumed}")
+    else:
+        parts.append(f"MFU n/a ({t.get('why_no_mfu')})")
+    return [f"throughput over the run: {' · '.join(parts)} (samples and tokens: "
+            f"{t.get('ranks_counted')} rank(s), one per model replica)"]
+
+
+def _group_lines(groups: dict[str, dict[str, Any]]) -> list[str]:
+    """Communication per process group: each group's collectives (their members'
+    medians); nothing when every collective ran on the default group."""
+    if not groups:
+        return []
+    out = ["", "Communication per process group (median over its member ranks of their "
+               "per-step medians)"]
+    for name, g in list(groups.items())[:32]:
+        what = safe_text(str(g.get("desc") or "group"), 64)
+        out.append(f"  {what} (name {safe_text(name, 64)}, ranks "
+                   f"{safe_text(str(g.get('ranks') or '?'), 80)}; seen from "
+                   f"{len(g['members'])} member(s))")
+        for op, f in g["collectives"].items():
+            out.append(f"    {safe_text(op, 32):<15} {fmt_ms(f.get('s')):>8} ms "
+                       f"{fmt_bytes(f.get('bytes')):>10}  busbw {fmt_rate(f.get('busbw_Bps'))}")
+    return out
 
 
 def _distribution_lines(ranks: list[dict[str, Any]]) -> list[str]:

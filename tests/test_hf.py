@@ -103,6 +103,21 @@ def test_torchrun_trainer_names_the_starved_rank_and_nothing_else(starved):
         assert all(x["samples"] == BATCH * ACCUMULATE for x in rows)
 
 
+def test_each_step_says_its_tokens(starved):
+    """The callback counts each optimizer step's tokens from its micro-batches'
+    ``input_ids`` (as the Trainer's ``num_input_tokens_seen`` does): every micro-batch
+    of the accumulation cycle, padding included."""
+    report, ranks = starved
+    for r in ranks:
+        assert all(x["tokens"] == BATCH * ACCUMULATE * hf_worker.SEQ for x in r["rows"])
+    for entry in report["ranks"]:
+        assert entry["tokens_per_step"] == BATCH * ACCUMULATE * hf_worker.SEQ
+        assert entry["tokens_per_s"] == pytest.approx(
+            entry["tokens_per_step"] / entry["step_s"])
+    assert report["throughput"]["tokens_per_s"] == pytest.approx(
+        sum(e["tokens_per_s"] for e in report["ranks"]))
+
+
 def test_the_rank_notes_say_how_the_trainer_is_timed(starved):
     _, ranks = starved
     for r in ranks:

@@ -38,10 +38,11 @@ def test_the_declared_snapshot_is_the_table_of_figures():
 
 def test_every_wire_field_is_a_figure():
     """Each field a rank sends is declared once (besides the samples' time stamps, the
-    steps' collectives map, heartbeat and event details), under its table's prefix."""
+    steps' collectives and groups maps, heartbeat and event details), under its table's
+    prefix."""
     declared = {(f.table, f.source) for f in FIGURES}
     for table in ("steps", "gpu", "host", "mem"):
-        fields = [x for x in TABLES[table] if x not in ("collectives",)
+        fields = [x for x in TABLES[table] if x not in ("collectives", "groups")
                   and (table == "steps" or x != "t_wall")]
         missing = [x for x in fields if (table, x) not in declared]
         assert not missing, (table, missing)

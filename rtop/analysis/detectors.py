@@ -21,7 +21,7 @@ import numpy as np
 
 from collectors.nvml import THROTTLE_REASONS, decode_reasons
 from rtop.analysis import links as probe_links
-from rtop.analysis import peers, wording
+from rtop.analysis import peers, roles, wording
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.kinds import KINDS
 from rtop.analysis.window import Window, measured
@@ -249,6 +249,19 @@ def _cost(excess_s: float | None, step_s: float | None) -> dict[str, float | Non
     return {"s_per_step": _f(excess_s), "share": _f(share)}
 
 
+def _peer_group(w: Window, i: int) -> dict[str, Any]:
+    """Whom rank ``i`` was compared with, for its evidence, when the ranks fall into
+    peer classes (pipeline stages): ``{"peers": "pipeline stage 3", "stage": 3}``;
+    nothing when every rank is every other's peer."""
+    classes = w.classes
+    if classes is None:
+        return {}
+    stage = int(classes[i])
+    if stage == roles.NO_STAGE:
+        return {"peers": "the ranks of no known pipeline stage", "stage": None}
+    return {"peers": f"the ranks of pipeline stage {stage}", "stage": stage}
+
+
 def _scope(w: Window, flagged: list[int]) -> tuple[str, dict[str, list[int]]]:
     """"node" when the flagged ranks are whole nodes (of two ranks or more), else
     "rank"; and those nodes with their ranks."""
@@ -286,26 +299,36 @@ def input_findings(ctx: Context) -> list[Finding]:
     waiting, _ = peers.persistent(waits, valid, cfg.persist_min_steps,
                                   cfg.input_bound_fraction, newest=False)
     waiting &= ok
-    n_ok = int(ok.sum())
-    # one rank alone is input-bound when it waits; of several, enough of them (at least 2)
-    if (n_ok >= 2 and waiting.sum() >= max(2, math.ceil(cfg.input_bound_fraction * n_ok))) \
-            or (n_ok == 1 and waiting.any()):
-        ranks = [int(r) for r in w.rank[ok]]
-        med_share = _nanmedian(share[ok])
-        med_wait = _nanmedian(dw[ok])
+    classes = w.classes  # pipeline stages: a stage whose every rank waits is input-bound
+    bound = np.zeros(w.n, dtype=bool)
+    for mine in ([ok] if classes is None else [ok & (classes == c)
+                                                for c in np.unique(classes).tolist()]):
+        n_ok = int(mine.sum())
+        n_waiting = int((waiting & mine).sum())
+        # one rank alone is input-bound when it waits; of several, enough of them (>= 2)
+        if (n_ok >= 2 and n_waiting >= max(2, math.ceil(cfg.input_bound_fraction * n_ok))) \
+                or (n_ok == 1 and n_waiting):
+            bound |= mine
+    if bound.any():
+        ranks = [int(r) for r in w.rank[bound]]
+        med_share = _nanmedian(share[bound])
+        med_wait = _nanmedian(dw[bound])
         ev_in: dict[str, Any] = {
             "data_wait_s_median": _f(med_wait), "data_wait_share_median": _f(med_share),
-            "step_s_median": _f(_nanmedian(st[ok])), "ranks_waiting": int(waiting.sum()),
-            "ranks": n_ok, "scope": "job",
-            "cost": _cost(med_wait, _nanmedian(st[ok])),
-            "loader_cpu_pct_median": _f(_nanmedian(w.latest["host_loader_cpu_pct"][ok]))}
+            "step_s_median": _f(_nanmedian(st[bound])),
+            "ranks_waiting": int((waiting & bound).sum()),
+            "ranks": int(bound.sum()), "scope": "job" if (bound == ok).all() else "stage",
+            "cost": _cost(med_wait, _nanmedian(st[bound])),
+            "loader_cpu_pct_median": _f(_nanmedian(w.latest["host_loader_cpu_pct"][bound]))}
+        if classes is not None:
+            ev_in["stages"] = sorted({int(c) for c in classes[bound].tolist() if c >= 0})
         return [Finding.of("input_bound", ranks, ev_in, impact=med_share)]
-    center, spread = peers.baseline(dw, ok)
+    center, spread = peers.baseline(dw, ok, classes)
     # a shift of the whole fleet (every rank waiting more, as an input-bound phase
     # begins) reaches the peers' newest steps before their medians: each rank is
     # judged against the higher of the two, so the ranks that report first are not
     # "starved" against peers whose medians have not caught up yet
-    c_now, s_now = peers.baseline(peers.newest(rec_dw, valid), ok)
+    c_now, s_now = peers.baseline(peers.newest(rec_dw, valid), ok, classes)
     center, spread = np.fmax(center, c_now), np.fmax(spread, s_now)
     k = ctx.factors("starved_rank", cfg.starved_clear)
     limit = peers.limit_above(center, spread, cfg.starved_ratio, cfg.starved_z, 0.0) * k
@@ -321,6 +344,8 @@ def input_findings(ctx: Context) -> list[Finding]:
     fewest = (anomalous & valid).sum(axis=1) <= cfg.persist_min_steps
     catching_up = fewest & peers.settling(rec_dw, valid, center, cfg.starved_steady)
     hit = ok & held & (frac >= fraction) & ~catching_up
+    if classes is not None:  # a rank alone in its stage has no peers to stand out from
+        hit &= ~np.isnan(center)
     ctx.hiccups["data_wait"] = anomalous & valid & (ok & ~hit)[:, None]
     flagged = sorted(np.flatnonzero(hit).tolist(), key=lambda i: -dw[i])
     if not flagged:
@@ -331,7 +356,8 @@ def input_findings(ctx: Context) -> list[Finding]:
     rest[flagged] = False
     peer_comm = _nanmedian(comm[rest])
     ev: dict[str, Any] = {"ranks": {str(w.rank[i]): {
-        "node": w.ranks[i].node, "data_wait_s": _f(dw[i]), "peers_data_wait_s": _f(center[i]),
+        "node": w.ranks[i].node, **_peer_group(w, i),
+        "data_wait_s": _f(dw[i]), "peers_data_wait_s": _f(center[i]),
         "peers_data_wait_spread_s": _f(spread[i]),
         "step_s": _f(st[i]), "data_wait_share": _f(share[i]), "comm_s": _f(comm[i]),
         "slow_step_fraction": _f(frac[i]),
@@ -402,7 +428,7 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
     step = w.steps["step_s"]
     if ok.sum() < 2 or np.isnan(comp).all():
         return None
-    others, spread = peers.baseline(comp, ok)
+    others, spread = peers.baseline(comp, ok, w.classes)
     k = ctx.factors("straggler", cfg.straggler_clear)
     excess = comp - others
     slow_at = peers.limit_above(others, spread, 1 + (cfg.straggler_ratio - 1) * k,
@@ -435,7 +461,8 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
     i0 = flagged[0]
     causes, counters = _straggler_causes(w, i0, peer_mask, cfg)
     comm = w.steps["comm_s"]
-    ev = {"ranks": {str(w.rank[i]): {"node": w.ranks[i].node, "compute_s": _f(comp[i]),
+    ev = {"ranks": {str(w.rank[i]): {"node": w.ranks[i].node, **_peer_group(w, i),
+                                     "compute_s": _f(comp[i]),
                                      "peers_compute_s": _f(others[i]),
                                      "data_wait_s": _f(w.steps["data_wait_s"][i]),
                                      "comm_s": _f(comm[i]),

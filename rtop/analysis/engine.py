@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from rtop.analysis import detectors as d
+from rtop.analysis import throughput
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.hiccups import HiccupCounter
 from rtop.analysis.kinds import KINDS, SEVERITY_ORDER
@@ -65,8 +66,9 @@ def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] |
     """Every finding whose condition holds now (no onset/clear).
 
     ``overview``, when given, is filled with what a viewer shows whether or not anything
-    is wrong: the fabric class and its expected bus bandwidth, and the scaling figures
-    (efficiency, breakdown, what-if for more ranks). A detector that raises costs its
+    is wrong: the fabric class and its expected bus bandwidth, the scaling figures
+    (efficiency, breakdown, what-if for more ranks) and the throughput (samples/s,
+    tokens/s, model TFLOPS and MFU: ``rtop.analysis.throughput``). A detector that raises costs its
     own finding only (counted and logged once in ``errors``). ``hiccups``, when given,
     counts the steps where a rank stood out but not for long enough to be named.
     """
@@ -83,6 +85,9 @@ def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] |
         overview["expected_busbw_Bps"] = cfg.fabric_busbw.get(cls)
         overview["nodes"] = len(w.node)
         overview["scaling"] = cast(Scaling, scaling.evidence) if scaling is not None else None
+        rates = run("throughput", throughput.of_window, w, default=None)
+        if rates is not None:
+            overview["throughput"] = rates
     out: list[d.Finding] = []
     for fn in (d.lost_rank, d.hung_rank):  # these exclude ranks from the comparisons
         f = run(fn.__name__, fn, ctx, default=None)

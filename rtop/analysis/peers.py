@@ -6,7 +6,9 @@ once).
 * :func:`baseline`: for each rank, the median of the *other* ranks' figure and their
   robust spread (1.4826 x the median absolute deviation: the standard deviation, for
   normal noise, that one outlier cannot inflate). With two ranks the median of all of
-  them would be half the culprit's own figure; the others' median is not.
+  them would be half the culprit's own figure; the others' median is not. Given peer
+  classes (``rtop.analysis.roles``: the pipeline stages), the other ranks are those of
+  the rank's own class: stage 3 is not slow for computing more than stage 0.
 * :func:`persistent`: whether a rank's condition held in enough of its recent steps
   (and in the newest): one file-system hiccup or garbage-collector pause is a step, a
   starved rank or a straggler is every step.
@@ -25,10 +27,23 @@ MAD_SIGMA = 1.4826
 LEAVE_ONE_OUT_MAX = 64
 
 
-def baseline(values: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def baseline(values: np.ndarray, ok: np.ndarray, classes: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
     """Per rank: the median of the other judged ranks' ``values`` (``ok``) and their
-    robust spread (``MAD_SIGMA`` x MAD). NaN where fewer than one other rank has a
-    figure; the spread is 0 with fewer than three."""
+    robust spread (``MAD_SIGMA`` x MAD), the others being those of the rank's own peer
+    class when ``classes`` are given. NaN where fewer than one other rank has a figure;
+    the spread is 0 with fewer than three."""
+    if classes is None:
+        return _baseline(values, ok)
+    center = np.full(len(values), np.nan)
+    spread = np.full(len(values), np.nan)
+    for c in np.unique(classes).tolist():
+        mine = classes == c
+        center[mine], spread[mine] = _baseline(values[mine], ok[mine])
+    return center, spread
+
+
+def _baseline(values: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = len(values)
     center = np.full(n, np.nan)
     spread = np.full(n, np.nan)

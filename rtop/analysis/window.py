@@ -14,6 +14,7 @@ from typing import TypeGuard
 import numpy as np
 
 from collectors.figures import figures
+from rtop.analysis import roles
 from rtop.analysis.config import AnalysisConfig
 from rtop.run.ring import nanmedian_rows
 from rtop.run.state import LATEST, RankState, RunState
@@ -64,6 +65,20 @@ class Window:
     #: (n, m): the SM clock of each rank's last ``throttle_samples`` GPU samples, oldest
     #: first (NaN where missing)
     clock_history: np.ndarray
+    #: per rank, its peer class: its pipeline stage, or ``roles.NO_STAGE`` (ranks are
+    #: compared with the peers of their own class: ``rtop.analysis.roles``)
+    peer_class: np.ndarray | None = None
+    #: per rank, whether its samples count in the job's throughput (one per replica)
+    counted: np.ndarray | None = None
+
+    @property
+    def classes(self) -> np.ndarray | None:
+        """The peer classes when the ranks fall into more than one, else None (every
+        rank is every other's peer)."""
+        c = self.peer_class
+        if c is None or len(c) == 0 or (c == c[0]).all():
+            return None
+        return c
 
     @property
     def n(self) -> int:
@@ -251,6 +266,8 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None,
         0.0, t - last_seen)
     dev = [r.meta.get("device") if isinstance(r.meta.get("device"), dict) else None
            for r in ranks]
+    metas = [r.meta for r in ranks]
+    classes = roles.peer_classes(metas)
     att = state.current
     return Window(
         t=t, ranks=ranks, rank=np.array([r.rank for r in ranks], dtype=np.int64),
@@ -263,4 +280,5 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None,
         gpu_name=[d.get("name") if d else None for d in dev],
         nvlink=np.array([float(d["nvlink_links"]) if d and isinstance(
             d.get("nvlink_links"), (int, float)) else np.nan for d in dev]),
+        peer_class=classes, counted=roles.counted(metas, classes),
     )

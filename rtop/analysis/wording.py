@@ -219,6 +219,10 @@ def _hung_rank(ranks: Sequence[int], ev: Evidence) -> str:
 
 def _input_bound(ranks: Sequence[int], ev: Evidence) -> str:
     who = "The rank waits" if ev.get("ranks") == 1 else "Every rank waits"
+    stages = ev.get("stages")
+    if ev.get("scope") == "stage" and isinstance(stages, list) and stages:
+        which = ", ".join(str(s) for s in stages[:8])
+        who = f"Every rank of pipeline stage{'s' if len(stages) > 1 else ''} {which} waits"
     return (f"{who} {ms(ev.get('data_wait_s_median'))} per step for data "
             f"({fmt_num(ev.get('data_wait_share_median'), '.0%')} of the step): the input "
             "pipeline, not any one rank, sets the pace.")

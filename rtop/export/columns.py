@@ -37,8 +37,12 @@ TEXT: Final = frozenset({"device", "phase", "stack", "kind"})
 #: Celsius, megahertz).
 FLOAT_UNITS: Final = ("_s", "_Bps", "_pct", "_w", "_c", "_mhz")
 #: Whole numbers without a unit suffix: step counters and counts (int64 like ``_bytes``).
-WHOLE: Final = frozenset({"step", "samples", "comm_calls", "loader_procs",
+WHOLE: Final = frozenset({"step", "samples", "tokens", "comm_calls", "loader_procs",
                           "clock_event_reasons"})
+#: Wire fields that hold maps, not exported as columns of their table: a step's
+#: ``collectives`` (its own table, :data:`COLLECTIVES`) and its ``groups`` (the same split
+#: by process group; not exported yet: the report's ranks carry its medians).
+MAPS: Final = frozenset({"collectives", "groups"})
 #: Tables exported under another file name than their wire key.
 FILE_NAMES: Final = {"hb": "heartbeats"}
 
@@ -116,7 +120,7 @@ class TableSpec:
 
 
 def _table_spec(key: str) -> TableSpec:
-    fields = tuple(f for f in TABLES[key] if f != "collectives")
+    fields = tuple(f for f in TABLES[key] if f not in MAPS)
     cols: list[Column] = list(WHO)
     for wire_field in fields:
         name, doc = _figure_of(key, wire_field)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from collectors import wire
-from collectors.schema import STEP_FIELDS
+from collectors.schema import STEP_FIELDS, TABLES
 from rtop.export.columns import COLLECTIVES, MEASUREMENTS, WHO, Column, TableSpec
 from rtop.fmt import safe_text
 from rtop.run.state import RankState, RunState, step_split
@@ -84,7 +84,8 @@ def _plan(spec: TableSpec, buf: _Buffer) -> list[tuple[list[Any], int, str | Non
     """Per wire field: the list its values go to, its index in a row, and, for a
     whole-number column, its name (None: taken as it is)."""
     cols = [c for c in spec.columns if c not in WHO and c.name != "t_wall_hub"]
-    return [(buf.data[col.name], spec.fields.index(wire_field),
+    wire = TABLES[spec.key]  # a map field (collectives, groups) is not exported: skip it
+    return [(buf.data[col.name], wire.index(wire_field),
              f"{spec.file}.{col.name}" if col.kind == "int" else None)
             for col, wire_field in zip(cols, spec.fields, strict=True)]
 

@@ -80,6 +80,20 @@ def _rank_summaries() -> dict[str, tuple[str, tuple[tuple[float, Series], ...]]]
 #: with the snapshot column it reads, lowest quantile first.
 RANK_SUMMARIES = _rank_summaries()
 
+#: The job's throughput (the diagnosis' overview, ``rtop.analysis.throughput``): gauge
+#: name, its key in the overview's ``throughput``, help.
+JOB_RATES = (
+    ("rtop_job_samples_per_second", "samples_per_s",
+     "Samples per second of the job (one rank per model replica, recent steps)"),
+    ("rtop_job_tokens_per_second", "tokens_per_s",
+     "Tokens per second of the job (one rank per model replica, recent steps)"),
+    ("rtop_job_model_flops_per_second", "model_flops_per_s",
+     "Model FLOPs per second of the job, every rank's summed (recent steps)"),
+    ("rtop_job_mfu_ratio", "mfu",
+     "Model FLOPs utilization: model FLOP/s over the GPUs' dense peak at the job's "
+     "precision (0 to 1)"),
+)
+
 #: The hub's own counters (``HubInfo.counters`` and what the hub adds), as
 #: ``rtop_hub_<name>_total``; a counter not listed here is exposed with a plain help.
 HUB_COUNTERS = {
@@ -212,6 +226,7 @@ class SnapshotCollector(Collector):
 
     def _run(self) -> Iterator[Metric]:
         snap, run = self.snap, self.snap["run"]
+        rates = cast(Mapping[str, Any], (snap.get("overview") or {}).get("throughput") or {})
         gauges = (
             ("rtop_world_size", run.get("world_size"), "Ranks the job says it has"),
             ("rtop_ranks", run.get("ranks_seen"), "Ranks of the current attempt seen"),
@@ -221,6 +236,7 @@ class SnapshotCollector(Collector):
              "Seconds the hub took to build the snapshot's columns (rtop's own cost)"),
             ("rtop_hub_analysis_seconds", snap.get("analysis_s"),
              "Seconds the hub's last diagnosis took (rtop's own cost)"),
+            *((name, rates.get(key), text) for name, key, text in JOB_RATES),
         )
         counters: list[tuple[str, Any, str]] = [
             ("rtop_hub_frames", run.get("frames"), "Frames the hub has taken in"),

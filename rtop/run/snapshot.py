@@ -77,6 +77,8 @@ class RankColumns(TypedDict):
     comm_bytes: Column
     busbw_Bps: Column
     samples: Column
+    tokens: Column  # tokens per step (probe.step(tokens=...), a callback's input_ids)
+    flops: Column  # model FLOPs of the rank's step (given, or counted once)
     gap_s: Column
     # statistics over each rank's whole rolling window of steps
     step_p50_s: Column
@@ -181,6 +183,22 @@ class Scaling(TypedDict):
     what_if: list[WhatIf]
 
 
+class Throughput(TypedDict):
+    """The job's throughput over its ranks' recent steps, and its model FLOPs against
+    its GPUs' peak (``rtop.analysis.throughput``); None where it cannot be known."""
+
+    samples_per_s: Num  # summed over one rank per model replica (see ``ranks_counted``)
+    tokens_per_s: Num  # the same ranks' tokens per second
+    ranks_counted: int  # ranks whose samples count: the first stage's, one per TP group
+    model_flops_per_s: Num  # every rank's model FLOPs per second, summed
+    peak_flops_per_s: Num  # those ranks' GPUs' dense peak at ``dtype``, summed
+    mfu: Num  # model_flops_per_s / peak_flops_per_s (0 to 1)
+    dtype: str | None  # the precision the peak is read for
+    dtype_assumed: bool  # no rank said its precision: bf16 assumed
+    gpu: str | None  # the GPU model the peak is read for (the most common one)
+    why_no_mfu: str | None  # why ``mfu`` is None (no FLOPs known, a GPU not in the table)
+
+
 class Overview(TypedDict, total=False):
     """What the diagnosis shows whether or not anything is wrong (empty before its
     first evaluation, or where no diagnosis runs)."""
@@ -189,6 +207,7 @@ class Overview(TypedDict, total=False):
     expected_busbw_Bps: Num  # what that class should give; None: not judged
     nodes: int
     scaling: Scaling | None
+    throughput: Throughput
 
 
 class ProbeLinks(TypedDict):
@@ -340,6 +359,17 @@ class CollectiveFigures(TypedDict):
     steps: int  # how many of the recent steps it ran in
 
 
+class GroupFigures(TypedDict):
+    """One process group a rank's collectives ran on (``collectors.groups``): what the
+    rank said of it, and its collectives there (medians over the recent steps)."""
+
+    desc: str | None  # the group's description (``group_desc``: "mesh_pp", ...)
+    ranks: str | None  # its ranks, short ("0-7", "1,3", "0-1023:8")
+    size: int | None
+    rank: int | None  # this rank's place in it (a pipeline group's: its stage)
+    ops: dict[str, CollectiveFigures]
+
+
 class RankDetail(TypedDict):
     """One rank of the current attempt in full (``found`` is False if it is unknown)."""
 
@@ -363,6 +393,8 @@ class RankDetail(TypedDict):
     stats: NotRequired[dict[str, float | None]]
     #: the step's collectives split by collective, over its recent steps (worst first)
     collectives: NotRequired[dict[str, CollectiveFigures]]
+    #: the same by process group, where some ran outside the default group (worst first)
+    groups: NotRequired[dict[str, GroupFigures]]
     #: steps where the rank stood out from its peers but not for long enough to be named
     #: (data wait, compute), counted over the run by the diagnosis
     hiccups: NotRequired[dict[str, int]]

@@ -45,6 +45,7 @@ from rtop.fmt import safe_text
 from rtop.run.ring import FIRST_BLOCK, Rings, nanmedian_rows, nanquantiles_rows
 from rtop.run.snapshot import (
     CollectiveFigures,
+    GroupFigures,
     NodeColumns,
     ProbeLinks,
     RankColumns,
@@ -160,6 +161,11 @@ class RunView(TypedDict):
 MAX_RANKS: Final = 16384
 #: Recent steps whose per-collective figures a rank keeps (for its detail).
 COLLECTIVE_STEPS: Final = 64
+#: The most (process group, collective) pairs a rank keeps figures of.
+MAX_GROUP_OPS: Final = 64
+#: Between a group's name and a collective's in a rank's group window (a control
+#: character: never in a name the validation made safe).
+GROUP_SEP: Final = "\x1f"
 #: Groups at most that may wait at once beside the current attempt (see
 #: :meth:`RunState.on_hello`); a hello for one more is refused.
 MAX_PENDING: Final = 4
@@ -167,6 +173,7 @@ MAX_PENDING: Final = 4
 MAX_STRAYS: Final = 8
 
 _S_COLL: Final = STEP_FIELDS.index("collectives")
+_S_GROUPS: Final = STEP_FIELDS.index("groups")
 _S_COMM: Final = tuple(STEP_FIELDS.index(f) for f in ("comm_s", "comm_bytes", "comm_calls",
                                                        "busbw_Bps"))
 
@@ -188,10 +195,11 @@ class CollectiveWindow:
     """One rank's per-collective figures over its last ``keep`` steps: per collective
     a flat ring of ``len(COLLECTIVE_FIGURES)`` floats a step (NaN: not measured)."""
 
-    __slots__ = ("keep", "rings")
+    __slots__ = ("keep", "most", "rings")
 
-    def __init__(self, keep: int = COLLECTIVE_STEPS) -> None:
+    def __init__(self, keep: int = COLLECTIVE_STEPS, most: int = MAX_OPS) -> None:
         self.keep = keep
+        self.most = most  # collectives kept at most (the first ones seen)
         #: op -> [ring, next slot, steps held]
         self.rings: dict[str, list[Any]] = {}
 
@@ -201,7 +209,7 @@ class CollectiveWindow:
         for op, figures in split.items():
             entry = self.rings.get(op)
             if entry is None:
-                if len(self.rings) >= MAX_OPS:
+                if len(self.rings) >= self.most:
                     continue
                 entry = self.rings[op] = [array("d", [_NAN]) * (self.keep * width), 0, 0]
             ring, at = entry[0], entry[1] * width
@@ -295,6 +303,9 @@ class RankState:
     cpu_mark: tuple[float, float] | None = None  # (cpu_s, t_hub) of the last estimate
     #: its recent steps split by collective (made at its first step that ran one)
     collectives: CollectiveWindow | None = None
+    #: its recent steps split by process group and collective (``group GROUP_SEP op``),
+    #: made at its first step that ran a collective outside the default group
+    groups: CollectiveWindow | None = None
 
     @property
     def rank(self) -> int:
@@ -726,6 +737,13 @@ class RunState:
                     if rs.collectives is None:
                         rs.collectives = CollectiveWindow()
                     rs.collectives.add(split)
+                by_group = row[_S_GROUPS]
+                if by_group:
+                    if rs.groups is None:
+                        rs.groups = CollectiveWindow(most=MAX_GROUP_OPS)
+                    rs.groups.add({f"{g}{GROUP_SEP}{op}": figures
+                                   for g, ops in by_group.items()
+                                   for op, figures in ops.items()})
         if steps:
             if rs.warm_wall is None:
                 self._warm_up(rs, steps)
@@ -1060,6 +1078,7 @@ class RunState:
             "events": list(rs.events), "offset_s": rs.offset_s, "gpu": rs.gpu,
             "host": rs.host, "mem": rs.mem, "hb": rs.hb, "summary": rs.summary,
             "collectives": rs.collectives.medians() if rs.collectives is not None else {},
+            "groups": group_figures(rs),
         }
         if rs.slot is not None:
             detail["steps"] = {f: column(self.steps.history(f, rs.slot))
@@ -1097,6 +1116,38 @@ class RunState:
         """Bytes held in the windows."""
         return (self.steps.nbytes() + self.samples.nbytes() + int(self.latest.nbytes)
                 + int(self.stats.nbytes))
+
+
+def group_figures(rs: RankState) -> dict[str, GroupFigures]:
+    """A rank's collectives per process group (its recent steps' medians), each group
+    described as the rank's meta says (``collectors.groups``): the groups whose
+    collectives took the most time first; empty when every collective of its recent
+    steps ran on the default group."""
+    if rs.groups is None:
+        return {}
+    described = {d.get("name"): d for d in rs.meta.get("groups") or []
+                 if isinstance(d, dict)}
+    out: dict[str, GroupFigures] = {}
+    for key, figures in rs.groups.medians().items():
+        name, _, op = key.partition(GROUP_SEP)
+        entry = out.get(name)
+        if entry is None:
+            d = described.get(name) or {}
+            entry = out[name] = GroupFigures(
+                desc=_text_or_none(d.get("desc")), ranks=_text_or_none(d.get("ranks")),
+                size=_int_or_none(d.get("size")), rank=_int_or_none(d.get("rank")),
+                ops={})
+        entry["ops"][op] = figures
+    return dict(sorted(out.items(), key=lambda kv: -sum(
+        f["s"] or 0.0 for f in kv[1]["ops"].values())))
+
+
+def _text_or_none(x: Any) -> str | None:
+    return x if isinstance(x, str) else None
+
+
+def _int_or_none(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
 def _error_line(e: Any) -> str:

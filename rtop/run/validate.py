@@ -10,7 +10,8 @@ what is kept is bounded:
   numbers belong, at most ``MAX_ROWS`` per table per batch; a number that is not
   finite (inf, nan) or beyond ±2**64 is "not measured" (None), like a missing one; a
   step's ``collectives`` a map of at most ``MAX_OPS`` collectives (names made safe),
-  each with its four figures;
+  each with its four figures, its ``groups`` a map of at most ``MAX_GROUPS`` process
+  groups, each such a map;
 * names and other strings (hostnames, job and node names, the phase, notes, errors):
   control characters, Unicode format characters and line separators are replaced with
   U+FFFD and lengths are capped (:func:`rtop.fmt.safe_text`), so a name cannot retitle a
@@ -54,6 +55,8 @@ MAX_WORLD: Final = 1 << 20
 MAX_ROWS: Final = 1 << 16
 #: The most collectives a step's ``collectives`` map may name.
 MAX_OPS: Final = 16
+#: The most process groups a step's ``groups`` map may name (``collectors.groups``).
+MAX_GROUPS: Final = 16
 #: Strings: names (hostname, job, group, node id), short words (a phase, a device), the
 #: notes and other strings of ``meta``, an error message, a Python stack.
 MAX_NAME: Final = 255
@@ -93,9 +96,12 @@ _TABLES: Final[dict[str, tuple[tuple[str, ...], tuple[_StrSpec | None, ...]]]] =
 #: Per table, the indices of its string fields.
 _STRINGS: Final = {name: frozenset(j for j, k in enumerate(kinds) if k is not None)
                    for name, (_, kinds) in _TABLES.items()}
-#: Per table, the indices of its map fields (a step's ``collectives``).
+#: Per table, the indices of its map fields (a step's ``collectives``, and its
+#: ``groups``: a map of such maps).
 _MAPS: Final = {name: frozenset(j for j, f in enumerate(fields) if f == "collectives")
                 for name, (fields, _) in _TABLES.items()}
+_GROUP_MAPS: Final = {name: frozenset(j for j, f in enumerate(fields) if f == "groups")
+                      for name, (fields, _) in _TABLES.items()}
 
 
 def described(x: Any) -> str:
@@ -232,6 +238,28 @@ def clean_split(where: str, x: Any) -> dict[str, list[float | int | None]] | Non
     return out
 
 
+def clean_groups(where: str, x: Any) -> dict[str, dict[str, list[float | int | None]]] | None:
+    """A step's ``groups`` map (``{group: {op: [s, bytes, calls, busbw_Bps]}}``), checked:
+    at most ``MAX_GROUPS`` group names made safe, each a ``collectives`` map
+    (:func:`clean_split`); None stays None."""
+    if x is None:
+        return None
+    if not isinstance(x, dict):
+        raise ProtocolError(f"{where} must be a map of process groups, got {described(x)}")
+    if len(x) > MAX_GROUPS:
+        raise ProtocolError(f"{where} names {len(x)} process groups (at most {MAX_GROUPS})")
+    out: dict[str, dict[str, list[float | int | None]]] = {}
+    for group, split in x.items():
+        if not isinstance(group, str):
+            raise ProtocolError(f"{where} has a key that is not a string: {described(group)}")
+        name = safe_text(group, MAX_WORD)
+        cleaned = clean_split(f"{where}: '{name}'", split)
+        if cleaned is None:
+            raise ProtocolError(f"{where}: '{name}' must be a map of collectives")
+        out[name] = cleaned
+    return out
+
+
 def check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any]]:
     """Rows of a table (``collectors.schema``), each as long as the table (``width``,
     if given, must say so), numbers where numbers belong (a non-finite one becomes
@@ -248,7 +276,7 @@ def check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any]
         raise ProtocolError(f"'{name}' has {len(rows)} rows in one batch (at most "
                             f"{MAX_ROWS})")
     strings = _STRINGS[name]
-    maps = _MAPS[name]
+    maps = _MAPS[name] | _GROUP_MAPS[name]
     for i, r in enumerate(rows):
         if type(r) is not list or not oldest <= len(r) <= width:
             n = len(r) if type(r) is list else described(r)
@@ -264,8 +292,10 @@ def check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any]
             elif t is not int and v is not None and j not in strings and j not in maps:
                 raise ProtocolError(f"'{name}' row {i}: '{fields[j]}' must be a number, "
                                     f"got {described(v)}")
-        for j in maps:
+        for j in _MAPS[name]:
             r[j] = clean_split(f"'{name}' row {i}: '{fields[j]}'", r[j])
+        for j in _GROUP_MAPS[name]:
+            r[j] = clean_groups(f"'{name}' row {i}: '{fields[j]}'", r[j])
         for j in strings:
             v = r[j]
             if v is not None:

@@ -16,7 +16,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, Sparkline, Static
 
 from collectors.figures import figures
-from rtop.fmt import NA, fmt_bytes, fmt_ms, fmt_rate, num, safe_text
+from rtop.analysis.throughput import rank_rates
+from rtop.fmt import NA, fmt_bytes, fmt_flops, fmt_ms, fmt_rate, num, safe_text
 from rtop.run.snapshot import Column, RankDetail, Snapshot
 from rtop.tui.columns import FORMATS
 from rtop.tui.model import all_ranks, growth_forecast, memory_split, rank_rows
@@ -44,6 +45,10 @@ def _lines() -> tuple[Line, ...]:
 #: statistics of its window (``RankDetail.stats``: the quantiles of one distribution on
 #: one line), with their note
 SERIES: tuple[Line, ...] = _lines()
+
+
+#: Recent steps the rank detail's throughput is the median of.
+RECENT = 20
 
 
 def fmt_phase(seconds: object) -> str:
@@ -118,6 +123,59 @@ def collective_split(detail: RankDetail) -> Text:
         text.append(f"{fmt_ms(f.get('s')):>7} ms {fmt_bytes(f.get('bytes')):>9}  "
                     f"{NA if calls is None else f'{calls:g}':>4} calls  busbw "
                     f"{fmt_rate(f.get('busbw_Bps')):>11}  ({f.get('steps', 0)} steps)\n")
+    return text
+
+
+def group_split(detail: RankDetail) -> Text:
+    """The rank's collectives per process group (median per step over its recent steps
+    in which each ran): empty when every one ran on the default group."""
+    groups = detail.get("groups") or {}
+    text = Text()
+    if not groups:
+        return text
+    text.append("Collectives per process group", "bold")
+    text.append(" (median per step, over the recent steps each ran in)\n", "dim")
+    for name, g in list(groups.items())[:8]:
+        place = f", its rank {g['rank']} of {g['size']}" if g["rank"] is not None \
+            and g["size"] is not None else ""
+        text.append(f"  {safe_text(g['desc'] or 'group', 48)}", "bold")
+        text.append(safe_text(f" ({name}: ranks {g['ranks'] or '?'}{place})", 160) + "\n",
+                    "dim")
+        for op, f in list(g["ops"].items())[:8]:
+            text.append(f"    {safe_text(op, 64):<15}{fmt_ms(f.get('s')):>7} ms "
+                        f"{fmt_bytes(f.get('bytes')):>9}  busbw "
+                        f"{fmt_rate(f.get('busbw_Bps')):>11}  ({f.get('steps', 0)} steps)\n")
+    return text
+
+
+def throughput_line(detail: RankDetail) -> Text:
+    """The rank's samples/s, tokens/s, model TFLOPS and MFU over its recent steps (their
+    medians); empty when none is known."""
+    steps = detail.get("steps") or {}
+
+    def median(field: str) -> float | None:
+        vals = [v for v in (num(x) for x in (steps.get(field) or [])[-RECENT:]) if v is not None]
+        return statistics.median(vals) if vals else None
+
+    meta = detail.get("meta") or {}
+    device = meta.get("device")
+    gpu = device.get("name") if isinstance(device, dict) else None
+    r = rank_rates(median("step_s"), median("samples"), median("tokens"), median("flops"),
+                   gpu if isinstance(gpu, str) else None, meta)
+    parts = []
+    if r["samples_per_s"] is not None:
+        parts.append(f"{r['samples_per_s']:,.1f} samples/s")
+    if r["tokens_per_s"] is not None:
+        parts.append(f"{r['tokens_per_s']:,.0f} tokens/s")
+    if r["model_flops_per_s"] is not None:
+        parts.append(f"{fmt_flops(r['model_flops_per_s'])} (model)")
+        parts.append(f"MFU {r['mfu']:.1%} of the {r['mfu_dtype']} peak"
+                     if r["mfu"] is not None else f"MFU {NA} (GPU not in the table)")
+    if not parts:
+        return Text()
+    text = Text("Throughput ", "bold")
+    text.append(" · ".join(parts))
+    text.append(f"  (medians of its last {RECENT} steps)\n", "dim")
     return text
 
 
@@ -338,7 +396,9 @@ class RankScreen(Screen[None]):
             st.append(safe_text(str(stack), 20000, multiline=True, keep_end=True).rstrip())
         self.query_one("#stack", Static).update(st)
         events = d.get("events") or []
-        ev = collective_split(d)
+        ev = throughput_line(d)
+        ev.append_text(collective_split(d))
+        ev.append_text(group_split(d))
         if events:
             ev.append("Events\n", "bold")
             for e in events[-8:]:

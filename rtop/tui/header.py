@@ -7,9 +7,36 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import Static
 
-from rtop.fmt import NA, fmt_duration, fmt_pct, safe_text
-from rtop.run.snapshot import Snapshot
+from rtop.fmt import NA, fmt_duration, fmt_flops, fmt_pct, safe_text
+from rtop.run.snapshot import Snapshot, Throughput
 from rtop.tui.model import job_figures
+
+
+def throughput_text(rates: Throughput) -> Text:
+    """Tokens/s, model TFLOPS and MFU where known (nothing of what is not): the job's
+    throughput beyond samples (``rtop.analysis.throughput``)."""
+    text = Text()
+    if rates["tokens_per_s"]:
+        text.append(f" · {fmt_count(rates['tokens_per_s'])} tokens/s")
+    if rates["model_flops_per_s"]:
+        text.append(f" · {fmt_flops(rates['model_flops_per_s'])}")
+        mfu = rates["mfu"]
+        text.append(" · MFU ")
+        if mfu is None:
+            text.append(NA, "dim")
+        else:
+            text.append(f"{mfu:.0%}", "bold" if mfu >= 0.3 else "bold yellow")
+            assumed = " (assumed)" if rates["dtype_assumed"] else ""
+            text.append(f" of {rates['dtype']} peak{assumed}", "dim")
+    return text
+
+
+def fmt_count(x: float) -> str:
+    """A large rate, short: 950, 12.3k, 4.56M."""
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.0f}"
 
 
 class JobHeader(Static):
@@ -59,8 +86,15 @@ class JobHeader(Static):
         line2.append(" · efficiency ")
         line2.append(fmt_pct(j.efficiency, 100), eff_style)
         line2.append(f" · {f'{j.steps_per_s:.2f}' if j.steps_per_s else NA} steps/s")
-        if j.samples_per_s:
-            line2.append(f" · {j.samples_per_s:,.0f} samples/s")
+        rates = snap["overview"].get("throughput")
+        samples = j.samples_per_s
+        if rates is not None and rates["samples_per_s"] is not None \
+                and rates["ranks_counted"] < j.active:
+            samples = rates["samples_per_s"]  # one rank per model replica (pipeline, TP)
+        if samples:
+            line2.append(f" · {samples:,.0f} samples/s")
+        if rates is not None:
+            line2.append_text(throughput_text(rates))
         line2.append(f" · up {fmt_duration(j.uptime_s)}")
         cost = f"{j.rtop_cpu:.1%} CPU/rank, " if j.rtop_cpu is not None else ""
         line2.append(f" · rtop {cost}{j.dropped} dropped",
