@@ -210,3 +210,43 @@ def test_a_straggler_within_the_slow_stage_is_still_named(tmp_path: Path):
     assert math.isclose(report["throughput"]["ranks_counted"], 16)
     assert np.isclose(report["throughput"]["samples_per_s"],
                       sum(e["samples_per_s"] for e in report["ranks"][:16]))
+
+
+def test_the_rank_detail_shows_its_collectives_per_group():
+    from rich.console import Console
+
+    from rtop.tui.detail import group_split
+    from tests.rankclient import identity
+    from tests.rankclient import step_row as make_row
+
+    st = RunState()
+    st.apply(wire.Frame("hello", {"identity": identity(0, world=4)}), 1.0)
+    rows = []
+    for k in range(10):
+        row = make_row(k)
+        row[GROUPS] = {"3": {"all_reduce": [0.004 + 0.001 * (k % 2), 16384, 1, 4e6]},
+                       "5": {"broadcast": [0.002, 4096, 1, 2e6]}}
+        rows.append(row)
+    meta = {"groups": [{"name": "3", "desc": "data_parallel", "size": 2, "rank": 0,
+                        "ranks": "0,1"},
+                       {"name": "5", "desc": "pipeline_parallel", "size": 2, "rank": 0,
+                        "ranks": "0,2"}]}
+    st.apply(wire.Frame("batch", {"rank": 0, "group": "g0", "steps": rows, "meta": meta}),
+             2.0)
+    detail = st.rank_detail(0)
+    groups = detail["groups"]
+    assert list(groups) == ["3", "5"]  # the most time first
+    assert groups["3"]["desc"] == "data_parallel" and groups["5"]["ranks"] == "0,2"
+    assert groups["3"]["ops"]["all_reduce"]["s"] == pytest.approx(0.0045)
+    assert groups["5"]["ops"]["broadcast"]["bytes"] == 4096
+    console = Console(width=160, no_color=True)
+    with console.capture() as cap:
+        console.print(group_split(detail))
+    text = cap.get()
+    assert "pipeline_parallel (5: ranks 0,2, its rank 0 of 2)" in text
+    assert "broadcast" in text and "4.1 kB" in text and "2 MB/s" in text
+    # a malformed map from a peer is refused whole, nothing of it kept
+    bad = make_row(10)
+    bad[GROUPS] = {"3": [1, 2]}
+    with pytest.raises(Exception, match="map of collectives"):
+        st.apply(wire.Frame("batch", {"rank": 0, "group": "g0", "steps": [bad]}), 3.0)
