@@ -741,11 +741,15 @@ def relay_main(idx: int, nodes: list[int], opts: dict[str, Any], addrs: Any, fla
                 job=JOB, interval_s=opts["relay_interval"], linger_s=None))
             await relay.start()
             relays.append(relay)
-            addrs[node] = relay.address
             if k % 16 == 15:  # a few at a time: handshakes, not a burst of thousands
                 deadline = time.monotonic() + 10
                 while not all(r.up for r in relays[-16:]) and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
+        deadline = time.monotonic() + 60
+        while not all(r.up for r in relays) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for node, relay in zip(nodes, relays, strict=True):  # the ranks come once all are up
+            addrs[node] = relay.address
         def publish() -> None:
             for j, key in enumerate(RelayFleet.KEYS):
                 counters[idx * len(RelayFleet.KEYS) + j] = sum(r.counters[key]

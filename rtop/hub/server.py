@@ -328,6 +328,7 @@ class Hub:
         self._closed = asyncio.Event()
         self._closing: asyncio.Task[None] | None = None
         self._idle_since: float | None = None
+        self._last_tick: float | None = None  # the last housekeeping pass (monotonic)
         self.peer_log = PeerLog(self.cfg.log_every_s, self.cfg.log_summary_s)
         self.address = ""
         self.counters = {"connections": 0, "refused": 0, "bad_frames": 0, "floods": 0,
@@ -449,6 +450,13 @@ class Hub:
 
     def _housekeep(self, mono: float, now: float) -> None:
         cfg = self.cfg
+        if self._last_tick is not None and mono - self._last_tick > BUSY_S:
+            # the hub was too busy to read for a while: a frame it has half of may have
+            # its rest waiting in the kernel; what that cost is not the peer's delay
+            for conn in self._conns:
+                if conn.partial_since is not None:
+                    conn.partial_since = mono
+        self._last_tick = mono
         for conn in list(self._conns):
             if conn.closing:
                 continue
@@ -1073,6 +1081,8 @@ class Hub:
                                   "text/plain; version=0.0.4; charset=utf-8"))
         conn.close()
 
+#: Housekeeping runs every 0.25 s; a pass this much later means the hub was busy.
+BUSY_S = 2.0
 METRICS_CACHE_S = 1.0  # one exposition serves every scrape within this (0.3 s at 1,024 ranks)
 
 
