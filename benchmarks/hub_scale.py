@@ -1012,19 +1012,25 @@ class Viewer:
     """A viewer connection that times snapshot requests."""
 
     def __init__(self, address: str, token: str) -> None:
+        self.address, self.token = address, token
         self.client = HubClient(address, token, timeout=120.0)
         self.rtt: list[float] = []
         self.build: list[float] = []
         self.failures = 0
 
     def snapshot(self, keep: bool = True) -> tuple[dict[str, Any], float] | None:
-        """A snapshot and when it was taken (middle of the request, monotonic seconds)."""
+        """A snapshot and when it was taken (middle of the request, monotonic seconds).
+        A hub that takes longer than 120 s to answer (overloaded) counts a failure;
+        the viewer connects again and waits up to 10 minutes for the next."""
         t0 = time.monotonic()
         try:
             snap = self.client.snapshot()
         except HubError as exc:
             self.failures += 1
             print(f"  viewer: snapshot failed: {exc}", flush=True)
+            self.close()
+            with contextlib.suppress(HubError, OSError):
+                self.client = HubClient(self.address, self.token, timeout=600.0)
             return None
         rtt = time.monotonic() - t0
         if keep:
@@ -1108,7 +1114,7 @@ def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProces
         sent1 = fleet.total(C_STEPS)
         up1 = relays.total("frames_up") if relays is not None else 0
         hub_cpu_s = hub_cpu.seconds() - hub_cpu.cpu0
-        last = viewer.snapshot()
+        last = viewer.snapshot() or viewer.snapshot()
         if last is None:
             raise RuntimeError("the viewer could not get a last snapshot")
         rec1, t_rec = hub.record_bytes(), time.monotonic()
