@@ -53,6 +53,10 @@ sockets and connections: nothing is shared but the process). The hub sees one
 connection per node; the relays' CPU is measured apart from the hub's and the
 generators'.
 
+Generators and relays stand in for the ranks' own machines: they run niced
+(``--load-nice``, 10), so that on one small machine the hub gets the CPU it needs
+first, as it would on a machine of its own; their own CPU is measured apart.
+
 Last, without sockets, in this process: what ``RunState.apply()`` costs per frame and
 ``snapshot()`` per call at full size, to split the hub's time between its state and
 its server. The hub's logs are scanned for floods, bad frames, lost ranks and errors.
@@ -704,6 +708,7 @@ def generator_main(kind: str, idx: int, opts: dict[str, Any], counters: Any,
                    flags: dict[str, Any], notes: Any) -> None:
     """Entry point of a load-generator process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    os.nice(opts.get("load_nice", 0))  # the ranks' machines, not the hub's
     world = opts["ranks"] if kind == "job" else opts["p2_conns"]
     raise_nofile(world // opts["procs"] + 256)
     gen = Generator(idx, opts, counters, flags, notes)
@@ -729,6 +734,7 @@ def relay_main(idx: int, nodes: list[int], opts: dict[str, Any], addrs: Any, fla
     Each relay's address goes into ``addrs`` (by node); its counters, summed, into
     ``counters`` row ``idx`` at the end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.nice(opts.get("load_nice", 0))  # the nodes' machines, not the hub's
     raise_nofile(len(nodes) * (RANKS_PER_NODE + 3) + 256)
     from rtop.hub.relay import Relay, RelayConfig
 
@@ -1505,6 +1511,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=["direct", "relays", "both"], default="direct",
                     help="ranks connect to the hub (direct), through one relay per node of "
                          f"{RANKS_PER_NODE} (relays), or one then the other on fresh hubs")
+    ap.add_argument("--load-nice", type=int, default=10, metavar="N",
+                    help="niceness of the generators and relays: they stand in for the "
+                         "ranks' own machines, so on one small machine the hub gets the "
+                         "CPU first (0: all alike)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="with --mode both: run each mode this many times, alternating, "
                          "and compare the medians")
@@ -1557,7 +1567,7 @@ def main(argv: list[str] | None = None) -> int:
                     "connect_concurrency": args.connect_concurrency,
                     "backlog_bytes": 1 << 20, "p2_conns": args.p2_conns,
                     "p2_rows": args.p2_rows, "sndbuf": 256 << 10,
-                    "relay_interval": args.relay_interval}
+                    "relay_interval": args.relay_interval, "load_nice": args.load_nice}
             relays = None
             if mode == "relays":
                 relays = RelayFleet(opts, args.relay_procs)

@@ -371,6 +371,9 @@ class Relay:
         ``linger_s`` without a rank."""
         cfg = self.cfg
         empty_since = time.monotonic()
+        # each relay at its own phase of the interval: relays started together (a job's
+        # nodes, a benchmark's) would otherwise reach the hub in bursts, all at once
+        await asyncio.sleep(random.uniform(0, cfg.interval_s))
         while True:
             await asyncio.sleep(cfg.interval_s)
             now = time.monotonic()
