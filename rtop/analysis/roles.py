@@ -20,6 +20,7 @@ be well formed).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any, Final
@@ -45,6 +46,11 @@ def kind_of(desc: Any) -> str | None:
     """``"pipeline"``, ``"tensor"`` or None for a group's description."""
     if not isinstance(desc, str):
         return None
+    return _kind(desc)
+
+
+@functools.lru_cache(maxsize=1024)
+def _kind(desc: str) -> str | None:
     words = _words(desc)
     if words & OTHER_WORDS:
         return None
@@ -83,29 +89,59 @@ def tensor_rank_of(meta: dict[str, Any]) -> int | None:
     return _place(meta, "tensor")
 
 
+def roles_of(metas: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: its pipeline stage (:data:`NO_STAGE` when not known) and its place in
+    its tensor-parallel group (-1 when in none it said), int64."""
+    stage = np.full(len(metas), NO_STAGE, dtype=np.int64)
+    tp = np.full(len(metas), -1, dtype=np.int64)
+    for i, meta in enumerate(metas):
+        if not isinstance(meta, dict) or ("groups" not in meta
+                                          and "pipeline_stage" not in meta):
+            continue
+        s, t = stage_of(meta), tensor_rank_of(meta)
+        if s is not None:
+            stage[i] = s
+        if t is not None:
+            tp[i] = t
+    return stage, tp
+
+
 def peer_classes(metas: Sequence[dict[str, Any]]) -> np.ndarray:
     """Per rank, its peer class: its pipeline stage, or :data:`NO_STAGE` (int64)."""
-    out = np.full(len(metas), NO_STAGE, dtype=np.int64)
-    for i, meta in enumerate(metas):
-        stage = stage_of(meta) if isinstance(meta, dict) else None
-        if stage is not None:
-            out[i] = stage
-    return out
+    return roles_of(metas)[0]
 
 
 def counted(metas: Sequence[dict[str, Any]], classes: np.ndarray) -> np.ndarray:
     """Per rank, whether its samples and tokens count in the job's throughput: one rank
     per model replica (the lowest stage present, the first of its tensor-parallel group;
     every rank when no stage or tensor group is known)."""
-    out = np.ones(len(metas), dtype=bool)
+    return counted_from(classes, roles_of(metas)[1])
+
+
+def counted_from(classes: np.ndarray, tensor_rank: np.ndarray) -> np.ndarray:
+    """:func:`counted` from the ranks' classes and tensor-parallel places."""
+    out = np.ones(len(classes), dtype=bool)
     staged = classes != NO_STAGE
     if staged.any():
         out &= ~staged | (classes == classes[staged].min())
-    for i, meta in enumerate(metas):
-        tp = tensor_rank_of(meta) if isinstance(meta, dict) else None
-        if tp is not None and tp > 0:
-            out[i] = False
-    return out
+    return out & (tensor_rank <= 0)
+
+
+class RoleCache:
+    """The ranks' roles (:func:`roles_of`) as of the last call, kept while ``key`` is
+    the same (the run state's meta version and the ranks' slots: a rank's groups change
+    only with its meta), so an evaluation of 16,384 ranks does not read every meta
+    again."""
+
+    def __init__(self) -> None:
+        self._key: Any = None
+        self._roles: tuple[np.ndarray, np.ndarray] | None = None
+
+    def of(self, metas: Sequence[dict[str, Any]], key: Any) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`roles_of` ``metas``, or what it gave for the same ``key``."""
+        if self._roles is None or key != self._key:
+            self._roles, self._key = roles_of(metas), key
+        return self._roles
 
 
 def describe(classes: np.ndarray) -> dict[int, str]:

@@ -8,7 +8,7 @@ and cost little even at thousands of ranks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeGuard
 
 import numpy as np
@@ -192,6 +192,8 @@ class TrendCache:
     slots: np.ndarray | None = None
     fit: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     turn: int = 0
+    #: the ranks' roles (pipeline stage, tensor-parallel rank), read once per meta
+    role_cache: roles.RoleCache = field(default_factory=roles.RoleCache)
 
     def long_fit(self, state: RunState, ranks: list[RankState], slots: np.ndarray,
                  cfg: AnalysisConfig, t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -267,7 +269,9 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None,
     dev = [r.meta.get("device") if isinstance(r.meta.get("device"), dict) else None
            for r in ranks]
     metas = [r.meta for r in ranks]
-    classes = roles.peer_classes(metas)
+    key = (state.meta_version, slots.tobytes(), np.array([r.rank for r in ranks]).tobytes())
+    classes, tensor_rank = (cache.role_cache.of(metas, key) if cache is not None
+                            else roles.roles_of(metas))
     att = state.current
     return Window(
         t=t, ranks=ranks, rank=np.array([r.rank for r in ranks], dtype=np.int64),
@@ -280,5 +284,5 @@ def take(state: RunState, cfg: AnalysisConfig, now: float | None = None,
         gpu_name=[d.get("name") if d else None for d in dev],
         nvlink=np.array([float(d["nvlink_links"]) if d and isinstance(
             d.get("nvlink_links"), (int, float)) else np.nan for d in dev]),
-        peer_class=classes, counted=roles.counted(metas, classes),
+        peer_class=classes, counted=roles.counted_from(classes, tensor_rank),
     )

@@ -382,6 +382,9 @@ class RunState:
         self._links_attempt: int | None = None
         #: the command's exit, once a ``job_exit`` frame said it (:meth:`on_job_exit`)
         self.job_exit: JobExit | None = None
+        #: grows with every rank's meta update (what the analysis reads of the metas, a
+        #: rank's process groups, is read again only then)
+        self.meta_version = 0
 
     # ---- attempts, ranks, slots -----------------------------------------------------
 
@@ -772,6 +775,7 @@ class RunState:
         rs.events.extend(events)
         if meta is not None:
             rs.meta.update(meta)
+            self.meta_version += 1
         if dropped is not None:
             rs.dropped = dropped
         if cpu is not None:
