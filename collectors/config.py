@@ -6,7 +6,7 @@
 | ``RTOP_TOKEN`` | the hub's token | discovered |
 | ``RTOP_TOKEN_FILE`` | a file holding the token (0600, yours); ``RTOP_TOKEN`` wins | — |
 | ``RTOP_DISABLE`` | ``1``: ``collectors.start()`` returns a probe that does nothing | off |
-| ``RTOP_FLUSH_S`` | how often records are sent | 0.5 |
+| ``RTOP_FLUSH_S`` | how often records are sent | 0.5 s; 1 s in a world of 1,024 ranks or more |
 | ``RTOP_SAMPLE_S`` | GPU / host / memory / heartbeat sampling period | 1.0 |
 | ``RTOP_STACK_AFTER_S`` | a phase longer than this sends the training thread's stack | 10 |
 | ``RTOP_MEM_CAPACITY_BYTES`` | the memory capacity headroom is measured against | device's |
@@ -36,6 +36,13 @@ TOKEN_FILE_MAX_BYTES = 4096
 COMM_TIMINGS = ("ddp", "hook")
 #: The precisions MFU may be measured against (``ProbeConfig.flops_dtype``).
 DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
+#: How often a rank sends its records unless told (``RTOP_FLUSH_S``) ...
+FLUSH_S = 0.5
+#: ... and in a world of ``LARGE_WORLD`` ranks or more: a hub's cost is mostly per
+#: frame, so a big job's ranks send half as many frames, each twice as full (the
+#: diagnosis, which judges several steps, learns of a fault half a second later).
+LARGE_WORLD = 1024
+LARGE_WORLD_FLUSH_S = 1.0
 
 
 class TokenFileError(ValueError):
@@ -158,7 +165,9 @@ class ProbeConfig:
     hub: str | None = None
     token: str | None = None
     enabled: bool = True
-    flush_interval_s: float = 0.5
+    #: How often records are sent; None: :data:`FLUSH_S`, or :data:`LARGE_WORLD_FLUSH_S`
+    #: in a world of :data:`LARGE_WORLD` ranks or more (:meth:`flush_every`).
+    flush_interval_s: float | None = None
     sample_interval_s: float = 1.0
     stack_after_s: float = 10.0
     memory_capacity_bytes: int | None = None
@@ -213,6 +222,13 @@ class ProbeConfig:
     #: from a pipeline group's description: ``mesh_pp``, ``PIPELINE_MODEL_PARALLEL``).
     pipeline_stage: int | None = None
 
+    def flush_every(self, world_size: int) -> float:
+        """Seconds between a rank's sends in a world of ``world_size`` ranks: as set, else
+        :data:`FLUSH_S` (:data:`LARGE_WORLD_FLUSH_S` from :data:`LARGE_WORLD` ranks on)."""
+        if self.flush_interval_s is not None:
+            return self.flush_interval_s
+        return LARGE_WORLD_FLUSH_S if world_size >= LARGE_WORLD else FLUSH_S
+
     @classmethod
     def from_env(cls, **overrides: Any) -> ProbeConfig:
         """Defaults, then ``RTOP_*`` environment variables, then explicit overrides."""
@@ -220,7 +236,7 @@ class ProbeConfig:
             hub=os.environ.get("RTOP_HUB") or None,
             token=_env_token(),
             enabled=os.environ.get("RTOP_DISABLE", "").lower() not in ("1", "true", "yes"),
-            flush_interval_s=_float("RTOP_FLUSH_S", cls.flush_interval_s),
+            flush_interval_s=_positive("RTOP_FLUSH_S"),
             sample_interval_s=_float("RTOP_SAMPLE_S", cls.sample_interval_s),
             stack_after_s=_float("RTOP_STACK_AFTER_S", cls.stack_after_s),
             memory_capacity_bytes=_int_or_none("RTOP_MEM_CAPACITY_BYTES"),

@@ -150,9 +150,10 @@ class Sender(threading.Thread):
     def run(self) -> None:
         """Loop until stopped; a bug here ends rtop's thread, never the training job."""
         next_sample = 0.0
-        next_flush = time.monotonic() + self._cfg.flush_interval_s
+        flush_s = self._cfg.flush_every(self._p.identity.world_size)
+        next_flush = time.monotonic() + flush_s
         next_clock = time.monotonic() + CLOCK_REFRESH_S
-        tick = max(0.05, min(self._cfg.flush_interval_s, self._cfg.sample_interval_s))
+        tick = max(0.05, min(flush_s, self._cfg.sample_interval_s))
         try:
             while True:
                 stopping = self._stop_evt.is_set()
@@ -178,7 +179,7 @@ class Sender(threading.Thread):
                     next_sample = now + self._cfg.sample_interval_s
                 if now >= next_flush or self._n_rows >= FLUSH_RECORDS:
                     self._guarded("flush", self._flush)
-                    next_flush = now + self._cfg.flush_interval_s
+                    next_flush = now + flush_s
                 if now >= next_clock:
                     self._steps.clock.refresh()
                     next_clock = now + CLOCK_REFRESH_S

@@ -284,3 +284,42 @@ def test_a_failing_sampler_is_logged_once_and_skipped(listener, caplog):
     # the samplers after it ran every time: heartbeats and memory kept coming
     assert len(listener.records("mem")[0]) >= 5
     assert listener.records("steps")[0], "steps stopped flowing"
+
+
+def test_flush_interval_follows_world_size(monkeypatch):
+    """Unless told, a rank sends every 0.5 s, and every 1 s in a world of 1,024 ranks or
+    more (a hub's cost is mostly per frame); RTOP_FLUSH_S or the setting win."""
+    from collectors.config import LARGE_WORLD, ProbeConfig
+
+    monkeypatch.delenv("RTOP_FLUSH_S", raising=False)
+    cfg = ProbeConfig.from_env()
+    assert cfg.flush_every(8) == 0.5 and cfg.flush_every(LARGE_WORLD - 1) == 0.5
+    assert cfg.flush_every(LARGE_WORLD) == 1.0 and cfg.flush_every(16384) == 1.0
+    assert ProbeConfig.from_env(flush_interval_s=0.2).flush_every(16384) == 0.2
+    monkeypatch.setenv("RTOP_FLUSH_S", "0.3")
+    assert ProbeConfig.from_env().flush_every(16384) == 0.3
+    monkeypatch.setenv("RTOP_FLUSH_S", "-1")  # not a positive number: ignored
+    assert ProbeConfig.from_env().flush_every(16384) == 1.0
+
+
+@pytest.mark.parametrize("world, most", [(2, 9), (2048, 5)])
+def test_big_world_sends_fewer_frames(monkeypatch, listener, world, most):
+    """A rank of a big world sends about one batch a second, not two (real sockets)."""
+    import dataclasses
+
+    monkeypatch.delenv("RTOP_FLUSH_S", raising=False)
+    monkeypatch.setenv("RTOP_RELAY", "0")  # to the listener itself, not a node's relay
+    ident = dataclasses.replace(detect(), rank=0, local_rank=0, world_size=world)
+    probe = collectors.Probe(ident, collectors.ProbeConfig.from_env(
+        hub=listener.address, token=listener.token))
+    t0 = time.monotonic()
+    for _ in probe.iter(range(1000)):
+        with probe.step():
+            time.sleep(0.01)
+        if time.monotonic() - t0 > 3.6:
+            break
+    n_before_close = sum(1 for _, f in listener.frames if f.kind == "batch")
+    probe.close(1.0)
+    # 3.6 s of training: 7 sends every 0.5 s, 3 every 1 s (+1 for the first, early one)
+    assert (6 if world < 1024 else 2) <= n_before_close <= most, n_before_close
+    assert len(listener.records()[0]) >= 100  # every step still arrives
