@@ -346,12 +346,20 @@ def job_key(identity: Identity) -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """True if a process with this pid exists (and may be someone else's)."""
+    """True if a process with this pid exists (and may be someone else's). A zombie is
+    not alive: a relay or hub a rank started and that was killed stays one until that
+    rank reaps it, which it never does, and its discovery file would keep the node's
+    ranks from starting another."""
     try:
         os.kill(pid, 0)
     except OSError as exc:
         return exc.errno == errno.EPERM
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(512)
+    except OSError:
+        return True  # no /proc here: as far as we can tell
+    return stat[stat.rfind(b")") + 2:][:1] != b"Z"
 
 
 def _read_private_map(path: Path) -> dict[str, Any] | None:

@@ -108,6 +108,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "test_faults_disk.py": ("fault", "root"),
     "test_faults_network.py": ("fault", "root", "job"),
     "test_faults_overload.py": ("fault", "root", "job"),
+    "test_faults_relay.py": ("fault", "job"),  # the cut link's test: root besides
     "test_faults_viewer.py": ("fault", "job"),
     "test_fleet_diagnosis.py": ("slow",),
     "test_fsdp.py": ("job",),

@@ -4,6 +4,7 @@ and ``rtop serve`` as a real subprocess."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -295,13 +296,22 @@ class JobNetns:
                     ) -> list[subprocess.Popen[str]]:
         """The job's ranks (:mod:`rtop.workload`), inside the namespace; each writes
         ``out/rank<r>.json``."""
-        env = {**os.environ, "RTOP_AUTOHUB": "0", "PYTHONPATH": str(ROOT)}
-        return [subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, sys.executable, "-m", "rtop.workload",
-             "--rank", str(r), "--local-rank", str(r), "--master", f"127.0.0.1:{port}",
-             "--spec", spec.to_json(), "--out", str(out)], env=env, cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for r in range(spec.world_size)]
+        return start_ranks(spec, out, port, prefix=("ip", "netns", "exec", self.ns))
+
+
+def start_ranks(spec: WorkloadSpec, out: Path, port: int, prefix: tuple[str, ...] = ()
+                ) -> list[subprocess.Popen[str]]:
+    """The job's ranks, each a process of its own (``python -m rtop.workload``, after
+    ``prefix``: ``ip netns exec NS`` puts them in a namespace), rendezvous on
+    ``127.0.0.1:port``; each writes ``out/rank<r>.json``. Their environment is this
+    process's (a test's ``monkeypatch.setenv`` reaches them)."""
+    env = {**os.environ, "RTOP_AUTOHUB": "0", "PYTHONPATH": str(ROOT)}
+    return [subprocess.Popen(
+        [*prefix, sys.executable, "-m", "rtop.workload",
+         "--rank", str(r), "--local-rank", str(r), "--master", f"127.0.0.1:{port}",
+         "--spec", spec.to_json(), "--out", str(out)], env=env, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(spec.world_size)]
 
 
 def finish_ranks(procs: list[subprocess.Popen[str]], out: Path, timeout: float = 120.0
@@ -321,3 +331,67 @@ def kill_ranks(procs: list[subprocess.Popen[str]]) -> None:
         if p.poll() is None:
             p.kill()
             p.wait(10)
+
+
+def median_steps(results: list[dict[str, Any]], marks: Path, t0: float, t1: float,
+                 skip: int = 5) -> float:
+    """Median step time of every rank over the steps that began in ``[t0, t1)``, for
+    ranks that wrote ``marks/fault-rank<r>`` at their step 0 (``fault_mark_dir``) and
+    their step times to ``results`` (each rank's first ``skip`` steps left out)."""
+    vals = []
+    for rank, res in enumerate(results):
+        t = float((marks / f"fault-rank{rank}").read_text())
+        for i, d in enumerate(res["times"]):
+            if i >= skip and t0 <= t < t1:
+                vals.append(d)
+            t += d
+    assert len(vals) >= 5, f"too few steps between {t0:.1f} and {t1:.1f}: {len(vals)}"
+    return statistics.median(vals)
+
+
+def acked_once(path: Path | str, results: list[dict[str, Any]]) -> dict[str, int]:
+    """Assert that every record the hub acknowledged to a rank is in the recording at
+    ``path`` exactly once: no step recorded twice, and each rank's records in the
+    recording are the records the hub acknowledged (``sent_records``, none let go
+    unconfirmed) plus those the rank spooled at its exit (that the hub had, or took);
+    a step missing from the recording is one the rank dropped and counted. Returns
+    the figures: ``acked`` records, ``lost`` (acknowledged, not recorded: 0 here),
+    ``dropped`` (counted by the ranks), ``resent_frames`` (sent again after a break)."""
+    steps, records, _ = recorded(path)
+    acked = dropped = resent = 0
+    for rank, res in enumerate(results):
+        stats = res["stats"]
+        mine = steps.get(rank, [])
+        assert stats["unconfirmed_records"] == 0, (rank, stats)
+        assert not twice(mine), (rank, twice(mine)[:20])
+        assert records.get(rank, 0) == stats["sent_records"] + stats["spooled_records"], \
+            (rank, records.get(rank, 0), stats)
+        lost_here = stats["dropped_unsent"] + stats["dropped_buffer"]
+        missing = set(range(len(res["times"]))) - set(mine)
+        assert len(missing) <= lost_here, (rank, sorted(missing)[:20], stats)
+        acked += stats["sent_records"]
+        dropped += lost_here
+        resent += stats["resent_frames"]
+    return {"acked": acked, "lost": 0, "dropped": dropped, "resent_frames": resent}
+
+
+def relay_pids() -> list[int]:
+    """The live relays of this test's runtime directory (each named by the discovery
+    file it wrote, ``relay-<key>.json``): the ones its ranks started."""
+    from collectors.discovery import read_hub_file, runtime_dir
+
+    pids = []
+    for path in sorted(runtime_dir().glob("relay-*.json")):
+        info = read_hub_file(path)
+        if info is not None and proc_alive(int(info["pid"])):
+            pids.append(int(info["pid"]))
+    return pids
+
+
+def stop_relays() -> None:
+    """Stop the relays of this test's runtime directory (:func:`relay_pids`), stopped
+    (SIGSTOP) ones included."""
+    for pid in relay_pids():
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
