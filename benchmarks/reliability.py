@@ -17,8 +17,17 @@ meanwhile, written to ``docs/reliability.md``.
    to the same round's job without rtop; for the actions, the steps the action touched
    too.
 
+The fault suite includes the relay faults (``tests/test_faults_relay.py``: a node's
+relay killed, cut off from the hub, impersonated by hostile relays, overloaded).
+
     python benchmarks/reliability.py [--rounds 5] [--job-s 6] [--no-tests]
         [--no-overhead] [--out docs/reliability.md]
+    python benchmarks/reliability.py --only tests/test_faults_relay.py [...]
+
+``--only`` runs just those tests of the fault suite (no bad-input suite, no overhead)
+and updates the document in place: their rows replace the ones the last run gave them,
+rows of tests that no longer exist are removed, the rest is kept as it was, and the
+header says what was run when.
 """
 
 from __future__ import annotations
@@ -275,6 +284,23 @@ def _figures(fig: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _fault_row(f: dict[str, Any]) -> str:
+    """A measured fault's row of the table."""
+    return (f"| {_md(f['fault'])} | {_md(f['outcome'])} | {_md(f['lost'])} | "
+            f"{_md(_figures(f['figures']))} | `{_md(f['test'])}` | "
+            f"{_md(f['result'])} ({f['seconds']:.0f} s) |")
+
+
+def _asserted_item(f: dict[str, Any]) -> str:
+    """A fault test that measured nothing for the table: its line after it."""
+    return f"- {_md(f['fault'])}: {f['result']} ({f['seconds']:.0f} s), `{_md(f['test'])}`"
+
+
+def _also(n: int) -> str:
+    return (f"Also in the fault suite: {n} tests that assert their outcome and measure no "
+            "figure for this table.")
+
+
 def write_doc(out: Path, command: str, started: float, took: float,
               faults: list[dict[str, Any]], bad: list[dict[str, Any]],
               suite_rc: dict[str, tuple[int, float]], over: dict[str, Any] | None,
@@ -313,15 +339,10 @@ def write_doc(out: Path, command: str, started: float, took: float,
     asserted = [f for f in faults if f["outcome"] is None]
     lines += ["", "| fault | outcome | lost | figures | test | result |",
               "|---|---|---|---|---|---|"]
-    for f in measured:
-        lines.append(f"| {_md(f['fault'])} | {_md(f['outcome'])} | {_md(f['lost'])} | "
-                     f"{_md(_figures(f['figures']))} | `{_md(f['test'])}` | "
-                     f"{_md(f['result'])} ({f['seconds']:.0f} s) |")
+    lines += [_fault_row(f) for f in measured]
     if asserted:
-        lines += ["", f"Also in the fault suite: {len(asserted)} tests that assert their "
-                  "outcome and measure no figure for this table.", ""]
-        lines += [f"- {_md(f['fault'])}: {f['result']} ({f['seconds']:.0f} s), "
-                  f"`{_md(f['test'])}`" for f in asserted]
+        lines += ["", _also(len(asserted)), ""]
+        lines += [_asserted_item(f) for f in asserted]
     lines += ["", "## Bad input", "",
               "The security issue's tests: each sends a hub, a rank or a reader something "
               "hostile or malformed and asserts what rtop does with it (refuse, bound, "
@@ -361,6 +382,54 @@ def write_doc(out: Path, command: str, started: float, took: float,
     out.write_text("\n".join(lines) + "\n")
 
 
+def test_exists(test_id: str) -> bool:
+    """Whether a test id (``tests/f.py::name[param]``) names a test function that is
+    still in its file."""
+    file, _, name = test_id.partition("::")
+    path = ROOT / file
+    return path.exists() and f"def {name.partition('[')[0]}(" in path.read_text()
+
+
+def update_doc(out: Path, command: str, started: float, targets: list[str],
+               rc: tuple[int, float], faults: list[dict[str, Any]]) -> None:
+    """Put the rows of the fault tests just run (``targets``) into the document a full
+    run wrote: they replace that run's rows of the same tests; rows of tests that no
+    longer exist go; everything else stays as it was."""
+    lines = out.read_text().splitlines()
+
+    def test_of(line: str) -> str | None:
+        ids = [t for t in line.split("`") if t.startswith("tests/") and "::" in t]
+        return ids[-1] if ids else None
+
+    def stale(line: str) -> bool:
+        test = test_of(line)
+        if test is None or not (line.startswith("| ") or line.startswith("- ")):
+            return False
+        return not test_exists(test) or any(test == t or test.startswith(t + "::")
+                                            for t in targets)
+
+    end = lines.index("## Bad input") if "## Bad input" in lines else len(lines)
+    head = [ln for ln in lines[:end] if not stale(ln)]
+    rows = [i for i, ln in enumerate(head) if ln.startswith("| ") and test_of(ln)]
+    at = (rows[-1] + 1) if rows else head.index("|---|---|---|---|---|---|") + 1
+    head[at:at] = [_fault_row(f) for f in faults if f["outcome"] is not None]
+    items = [i for i, ln in enumerate(head) if ln.startswith("- ") and test_of(ln)]
+    new_items = [_asserted_item(f) for f in faults if f["outcome"] is None]
+    if items:
+        head[items[-1] + 1:items[-1] + 1] = new_items
+    elif new_items:
+        head += ["", _also(0), "", *new_items, ""]
+    n = sum(1 for ln in head if ln.startswith("- ") and test_of(ln))
+    head = [_also(n) if ln.startswith("Also in the fault suite:") else ln for ln in head]
+    at = next(i for i, ln in enumerate(head) if ln.startswith("- command:")) + 1
+    head.insert(at, f"- updated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}"
+                f": `{command}` ran {', '.join(f'`{t}`' for t in targets)} again (pytest "
+                f"exit status {rc[0]}, {rc[1]:.0f} s; load average at the end "
+                f"{os.getloadavg()[0]:.1f}): their rows below are from that run, the rest "
+                f"from the run above")
+    out.write_text("\n".join(head + lines[end:]) + "\n")
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -371,6 +440,26 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def fault_rows(junit: Path, rows_path: Path) -> list[dict[str, Any]]:
+    """Each fault test's rows: what it recorded (:mod:`tests.reliability`), else its
+    name and result (its failure's message, if it failed)."""
+    recorded: dict[str, list[dict[str, Any]]] = {}
+    if rows_path.exists():
+        for line in rows_path.read_text().splitlines():
+            row = json.loads(line)
+            recorded.setdefault(row["test"], []).append(row)
+    faults = []
+    for case in junit_cases(junit):
+        rows = recorded.get(case["id"]) or [{
+            "fault": _humanize(case["name"]), "outcome": None
+            if case["result"] == "passed" else case["message"],
+            "lost": "not measured", "figures": {}}]
+        for row in rows:
+            faults.append({**row, "test": case["id"], "result": case["result"],
+                           "seconds": case["seconds"]})
+    return faults
+
+
 def main() -> None:
     """Run the suites and the overhead benchmark; write the document."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -379,6 +468,9 @@ def main() -> None:
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "docs" / "reliability.md"))
+    ap.add_argument("--only", nargs="+", metavar="TEST",
+                    help="run just these tests of the fault suite and update the "
+                         "document's rows for them")
     args = ap.parse_args()
     command = "make reliability" if os.environ.get("MAKELEVEL") else \
         "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
@@ -388,10 +480,15 @@ def main() -> None:
     bad: list[dict[str, Any]] = []
     suite_rc: dict[str, tuple[int, float]] = {}
     missing: list[str] = []
+    rows_path = work / "rows.jsonl"
+    env = dict(os.environ, RTOP_RELIABILITY_OUT=str(rows_path), RTOP_RELIABILITY_LONG="1")
+    if args.only:
+        rc = run_pytest(args.only, work / "faults.xml", env)
+        update_doc(Path(args.out), command, started, args.only, rc,
+                   fault_rows(work / "faults.xml", rows_path))
+        print(f"updated {args.out} ({(time.monotonic() - t0) / 60:.1f} minutes)")
+        return
     if not args.no_tests:
-        rows_path = work / "rows.jsonl"
-        env = dict(os.environ, RTOP_RELIABILITY_OUT=str(rows_path),
-                   RTOP_RELIABILITY_LONG="1")
         fault_targets = _files(FAULT_FILES)
         for pat in FAULT_FILES:
             if not glob.glob(str(ROOT / pat)):
@@ -402,19 +499,7 @@ def main() -> None:
         # the fuzzers at 10,000 cases per property (make test: 10,000 per target)
         suite_rc["bad-input suite"] = run_pytest(bad_targets, work / "bad.xml",
                                                  dict(env, HYPOTHESIS_PROFILE="full"))
-        recorded: dict[str, list[dict[str, Any]]] = {}
-        if rows_path.exists():
-            for line in rows_path.read_text().splitlines():
-                row = json.loads(line)
-                recorded.setdefault(row["test"], []).append(row)
-        for case in junit_cases(work / "faults.xml"):
-            rows = recorded.get(case["id"]) or [{
-                "fault": _humanize(case["name"]), "outcome": None
-                if case["result"] == "passed" else case["message"],
-                "lost": "not measured", "figures": {}}]
-            for row in rows:
-                faults.append({**row, "test": case["id"], "result": case["result"],
-                               "seconds": case["seconds"]})
+        faults = fault_rows(work / "faults.xml", rows_path)
         for case in junit_cases(work / "bad.xml"):
             bad.append({"input": _humanize(case["name"]), **case})
     over = None if args.no_overhead else overhead(args.rounds, args.job_s)
