@@ -421,9 +421,11 @@ def update_doc(out: Path, command: str, started: float, targets: list[str],
         head += ["", _also(0), "", *new_items, ""]
     n = sum(1 for ln in head if ln.startswith("- ") and test_of(ln))
     head = [_also(n) if ln.startswith("Also in the fault suite:") else ln for ln in head]
+    ran = f"ran {', '.join(f'`{t}`' for t in targets)} again"
+    head = [ln for ln in head if not (ln.startswith("- updated ") and ran in ln)]
     at = next(i for i, ln in enumerate(head) if ln.startswith("- command:")) + 1
     head.insert(at, f"- updated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}"
-                f": `{command}` ran {', '.join(f'`{t}`' for t in targets)} again (pytest "
+                f": `{command}` {ran} (pytest "
                 f"exit status {rc[0]}, {rc[1]:.0f} s; load average at the end "
                 f"{os.getloadavg()[0]:.1f}): their rows below are from that run, the rest "
                 f"from the run above")

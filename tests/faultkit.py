@@ -356,9 +356,10 @@ def acked_once(path: Path | str, results: list[dict[str, Any]]) -> dict[str, int
     unconfirmed) plus those the rank spooled at its exit (that the hub had, or took);
     a step missing from the recording is one the rank dropped and counted. Returns
     the figures: ``acked`` records, ``lost`` (acknowledged, not recorded: 0 here),
-    ``dropped`` (counted by the ranks), ``resent_frames`` (sent again after a break)."""
+    ``dropped`` (counted by the ranks), ``resent_frames`` (sent again after a break),
+    ``spooled`` (not acknowledged when the rank ended: spooled, and recorded)."""
     steps, records, _ = recorded(path)
-    acked = dropped = resent = 0
+    acked = dropped = resent = spooled = 0
     for rank, res in enumerate(results):
         stats = res["stats"]
         mine = steps.get(rank, [])
@@ -372,7 +373,9 @@ def acked_once(path: Path | str, results: list[dict[str, Any]]) -> dict[str, int
         acked += stats["sent_records"]
         dropped += lost_here
         resent += stats["resent_frames"]
-    return {"acked": acked, "lost": 0, "dropped": dropped, "resent_frames": resent}
+        spooled += stats["spooled_records"]
+    return {"acked": acked, "lost": 0, "dropped": dropped, "resent_frames": resent,
+            "spooled": spooled}
 
 
 def relay_pids() -> list[int]:

@@ -33,7 +33,11 @@ as they always do. There is nothing for a relay to spool.
 **Bounded.** What the relay reads and has not yet handed to the hub's socket is at most
 one interval of its ranks' data, or ``flush_bytes`` (then it is sent at once); when the
 hub's socket does not take it (``high_water_bytes`` queued), the relay stops reading its
-ranks, and their own buffers hold the rest, as with a slow hub. A stream may hold at
+ranks, and their own buffers hold the rest, as with a slow hub. The kernel's buffers on
+the way are capped too (``send_buffer_bytes`` to the hub, ``rank_recv_buffer_bytes``
+from each rank), as a rank caps its own: what sits in them is unacknowledged, and a
+relay that is slow or stopped must not hold more of a rank's records than the rank
+keeps to send again. A stream may hold at
 most ``held_bytes`` while the hub is out of reach, a rank's socket at most
 ``rank_buffer_bytes`` the rank does not read, and the relay ``max_streams`` streams.
 
@@ -57,6 +61,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,6 +95,13 @@ class RelayConfig:
     #: stays with them (bounded there), not here (a node sends ~20 kB/s)
     high_water_bytes: int = 256 << 10
     held_bytes: int = 64 << 10  # what one stream may send before the hub is reached
+    #: the kernel's buffers, capped as a rank caps its own send buffer: what the relay
+    #: took from a rank (or the rank wrote to it) sits there unacknowledged, and uncapped
+    #: they grow to megabytes (tcp_wmem, tcp_rmem) behind a slow or stopped relay, past
+    #: what the rank keeps to send again (``max_unsent_bytes``): the hub's socket's send
+    #: buffer, and the receive buffer of each rank's socket (0: the kernel's default)
+    send_buffer_bytes: int = 256 << 10
+    rank_recv_buffer_bytes: int = 128 << 10
     rank_buffer_bytes: int = 4 << 20  # queued to a rank that does not read: closed
     max_streams: int = 1024
     keepalive_s: float = 5.0  # an empty frame when nothing went up for this long
@@ -101,6 +113,14 @@ class RelayConfig:
     connect_timeout_s: float = 5.0  # for the hub to take the connection and welcome it
     linger_s: float | None = 60.0  # exit this long after the last rank left (None: never)
     discovery_file: Path | None = None  # where ranks find it (``relay-<key>.json``)
+
+
+def _cap_buffer(sock: Any, option: int, nbytes: int) -> None:
+    """Cap a socket's kernel buffer (``SO_SNDBUF`` or ``SO_RCVBUF``) at ``nbytes``
+    (0: leave the kernel's default and its autotuning). Never raises."""
+    if nbytes > 0 and sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, option, nbytes)
 
 
 class _Stream(asyncio.Protocol):
@@ -160,6 +180,8 @@ class _Upstream(asyncio.Protocol):
         self.transport = transport
         transport.set_write_buffer_limits(high=self.relay.cfg.high_water_bytes)
         cfg = self.relay.cfg
+        _cap_buffer(transport.get_extra_info("socket"), socket.SO_SNDBUF,
+                    cfg.send_buffer_bytes)
         self.send(wire.KIND_HELLO, {"role": "relay", "nonce": self.nonce,
                                     "auth": auth.VERSION, "node": cfg.node, "job": cfg.job,
                                     "pid": os.getpid(), "version": __version__})
@@ -275,7 +297,11 @@ class Relay:
         """Listen for the node's ranks, write the discovery file, reach the hub."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Stream(self), self.cfg.host,
-                                                self.cfg.port, backlog=1024)
+                                                self.cfg.port, backlog=1024,
+                                                start_serving=False)
+        for sock in self._server.sockets:  # the ranks' sockets get it from the listener
+            _cap_buffer(sock, socket.SO_RCVBUF, self.cfg.rank_recv_buffer_bytes)
+        await self._server.start_serving()
         host, port = self._server.sockets[0].getsockname()[:2]
         self.address = f"{host}:{port}"
         if self.cfg.discovery_file is not None:
