@@ -935,6 +935,14 @@ class CpuMeter:
         return pct
 
 
+def children(proc: psutil.Process) -> list[psutil.Process]:
+    """``proc``'s child processes (the hub's: its recorder, ``rtop.hub.record_proc``)."""
+    try:
+        return list(proc.children(recursive=True))
+    except psutil.Error:
+        return []
+
+
 class SystemMeter:
     """Busy CPU of the whole machine since the last call, in % of one core."""
 
@@ -1116,6 +1124,8 @@ def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProces
                                      SystemMeter())
         self_cpu = CpuMeter(lambda: [psutil.Process()])
         relay_cpu = CpuMeter(lambda: relays.ps if relays is not None else [])
+        rec_cpu = CpuMeter(lambda: children(hub.ps))  # apart from the hub's own
+        recs: list[float] = []
         cpu: list[float] = []
         gens: list[float] = []
         rel: list[float] = []
@@ -1140,7 +1150,8 @@ def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProces
                 cpu.append(c)
                 gens.append(g)
                 rel.append(rl)
-                other.append(max(0.0, s - c - g - me - rl))
+                recs.append(rec_cpu.sample())
+                other.append(max(0.0, s - c - g - me - rl - recs[-1]))
                 rss.append(hub.rss())
                 next_sample += 1.0
                 for check in checks:
@@ -1149,6 +1160,7 @@ def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProces
         sent1 = fleet.total(C_STEPS)
         up1 = relays.total("frames_up") if relays is not None else 0
         hub_cpu_s = hub_cpu.seconds() - hub_cpu.cpu0
+        rec_cpu_s = rec_cpu.seconds() - rec_cpu.cpu0
         last = viewer.snapshot(keep=False, full=True) or viewer.snapshot(keep=False, full=True)
         if last is None:
             raise RuntimeError("the viewer could not get a last snapshot")
@@ -1158,6 +1170,7 @@ def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProces
         n_frames = frames_applied(snap) - frames_applied(first[0])
         build_total = sum(b for b in viewer.build if not math.isnan(b))
         res["relay_frame_rate"] = (up1 - up0) / span
+        res.update(rec_cpu=recs, rec_cpu_per_frame=rec_cpu_s / max(n_frames, 1))
         res.update(cpu=cpu, rss=rss, gen_cpu=gens, relay_cpu=rel, other_cpu=other, span=span,
                    ingest_rate=(step_records(snap) - step_records(first[0])) / span,
                    sent_rate=(sent1 - sent0) / span, nominal_rate=args.ranks / PERIOD_S,
@@ -1403,6 +1416,9 @@ def summarize(args: argparse.Namespace, res: dict[str, Any], p2: dict[str, Any] 
     print(f"{'':12}{res['cpu_per_frame'] * us:.0f} us of hub CPU per batch frame ingested "
           f"({res['cpu_per_frame_ingest'] * us:.0f} us without snapshot builds): the nominal "
           f"load needs ~{need:.0f}% of a core")
+    print(f"  recorder  {median(res['rec_cpu']):.0f}% of a core (median), "
+          f"{res['rec_cpu_per_frame'] * us:.0f} us per batch frame: the hub's child "
+          f"processes (its recording's writer), not in the hub CPU above")
     growth = rss_trend(rss)
     print(f"  hub RSS   max {fmax(rss) / MB:.0f} MB (after connect {res['rss_connected'] / MB:.0f}"
           f" MB, {growth / MB:+.1f} MB/min over the window)   (target <= 500 MB for a "

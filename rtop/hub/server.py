@@ -71,7 +71,7 @@ import secrets
 import socket
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -434,19 +434,30 @@ class Hub:
             if self.recorder is None:
                 self._ack_ranks()
             elif time.monotonic() >= next_flush:
-                self.recorder.flush()
+                # what is written survives this hub: the ranks let it go (the recorder
+                # calls back once it is, without holding up the loop)
+                self.recorder.flush(then=self._ack_later())
                 next_flush = time.monotonic() + 1.0
-                self._ack_ranks()  # what is flushed survives this hub: the ranks let it go
 
     def _ack_ranks(self) -> None:
         """Tell each rank the last batch this hub holds (recorded and flushed, when it
         records): the rank forgets the frames it kept to send again (``ack``)."""
-        for conn in list(self._conns):
-            rs = conn.rank
-            if conn.role == "rank" and rs is not None and not conn.closing \
-                    and rs.last_seq is not None and rs.last_seq != conn.acked:
-                conn.acked = rs.last_seq
-                conn.send(wire.KIND_ACK, {"seq": rs.last_seq})
+        self._ack_later()()
+
+    def _ack_later(self) -> Callable[[], None]:
+        """:meth:`_ack_ranks` for the batches held now, when called (once the recorder
+        wrote them)."""
+        due = [(conn, rs.last_seq) for conn in list(self._conns)
+               if conn.role == "rank" and (rs := conn.rank) is not None
+               and not conn.closing and rs.last_seq is not None
+               and rs.last_seq != conn.acked]
+
+        def ack() -> None:
+            for conn, seq in due:
+                if not conn.closing and seq != conn.acked:
+                    conn.acked = seq
+                    conn.send(wire.KIND_ACK, {"seq": seq})
+        return ack
 
     def _housekeep(self, mono: float, now: float) -> None:
         cfg = self.cfg
@@ -730,10 +741,15 @@ class Hub:
             conn.clean = True
             if rs is not None and rs.last_seq is not None:
                 # the rank waits for this before it leaves (or spools what is not)
+                seq = rs.last_seq
+
+                def ack() -> None:
+                    conn.acked = seq
+                    conn.send(wire.KIND_ACK, {"seq": seq})
                 if self.recorder is not None:
-                    self.recorder.flush()
-                conn.acked = rs.last_seq
-                conn.send(wire.KIND_ACK, {"seq": rs.last_seq})
+                    self.recorder.flush(then=ack)  # once its frames are written
+                else:
+                    ack()
 
     def _claim(self, conn: _Conn, hello: dict[str, Any]) -> bool:
         """One live connection per rank: may ``conn`` (authenticated, saying ``hello``)
