@@ -23,6 +23,7 @@ from rtop.analysis.viewport import (
     SORTS,
     Fleet,
     Page,
+    Viewports,
     ViewRequest,
     decode,
     viewport,
@@ -357,6 +358,42 @@ def test_a_view_of_16384_ranks_is_under_a_megabyte(slow_node):
                                 "top": 10_000, "whole_up_to": 0,
                                 "pages": {str(i): {"limit": 10_000} for i in range(9)}})
     assert wire_size(viewport(big, greedy)) <= 1_000_000
+
+
+def test_views_are_rebuilt_no_more_often_than_their_cost_allows(slow_node):
+    """The hub's view cache: a cheap fleet is rebuilt every max_age_s; one that takes
+    long to build (16,384 ranks) waits until its building is under ``share`` of the
+    core, whatever the number of viewers; clear() (the job ended) rebuilds at once."""
+    snap = slow_node[0]
+    builds: list[float] = []
+
+    def build(delay: float) -> Snapshot:
+        builds.append(time.monotonic())
+        time.sleep(delay)
+        return snap
+
+    views = Viewports(max_age_s=0.05, share=0.2)
+    views.frame({}, lambda: build(0.0))
+    assert views.age_s < 0.5  # 256 ranks: a few ms a build, near the floor
+    t_end = time.monotonic() + 0.6
+    while time.monotonic() < t_end:  # two viewers asking as fast as they can
+        views.frame({"top": 3}, lambda: build(0.0))
+        views.frame({}, lambda: build(0.0))
+        time.sleep(0.005)
+    gaps = np.diff(builds)
+    assert len(builds) >= 2 and gaps.min() >= 0.05, builds  # rebuilt, never sooner
+    slow = Viewports(max_age_s=0.05, share=0.2)
+    builds.clear()
+    slow.frame({}, lambda: build(0.1))
+    assert slow.cost_s >= 0.1 and slow.age_s >= 0.5  # 0.1 s a build, at most 20 %
+    t_end = time.monotonic() + 0.4
+    while time.monotonic() < t_end:
+        slow.frame({}, lambda: build(0.1))
+        time.sleep(0.01)
+    assert len(builds) == 1, builds  # still the first fleet
+    slow.clear()
+    slow.frame({}, lambda: build(0.0))
+    assert len(builds) == 2
 
 
 def test_a_malformed_view_is_read_as_far_as_it_makes_sense():

@@ -599,20 +599,38 @@ def viewport(snap: Snapshot, view: ViewRequest | None = None) -> Snapshot:
 
 
 class Viewports:
-    """The hub's views: the fleet's arrays built once per full snapshot (at most every
-    ``max_age_s``), each viewer's view encoded from them."""
+    """The hub's views: the fleet's arrays built once per full snapshot, each viewer's
+    view encoded from them. A fleet is rebuilt at most every ``max_age_s``, and no more
+    often than keeps its building under ``share`` of the hub's core: at 16,384 ranks a
+    build takes a few hundred milliseconds, so the views there are refreshed every second
+    or so, whatever the number of viewers, rather than taking the core from the ranks."""
 
-    def __init__(self, max_age_s: float = 0.2) -> None:
+    def __init__(self, max_age_s: float = 0.2, share: float = 0.2) -> None:
         self.max_age_s = max_age_s
+        self.share = share
+        #: seconds the last build took (full snapshot and the fleet's arrays)
+        self.cost_s = 0.0
         self._fleet: Fleet | None = None
         self._at = -math.inf
+
+    @property
+    def age_s(self) -> float:
+        """How old a fleet may get before the next request rebuilds it."""
+        return max(self.max_age_s, self.cost_s / self.share)
 
     def fleet(self, build: Callable[[], Snapshot]) -> Fleet:
         """The fleet of a recent full snapshot (``build`` makes a new one)."""
         now = time.monotonic()
-        if self._fleet is None or now - self._at >= self.max_age_s:
-            self._fleet, self._at = Fleet(build()), now
+        if self._fleet is None or now - self._at >= self.age_s:
+            t0 = time.perf_counter()
+            self._fleet = Fleet(build())
+            self.cost_s = time.perf_counter() - t0
+            self._at = time.monotonic()
         return self._fleet
+
+    def clear(self) -> None:
+        """Forget the fleet (a new job, or none): the next request builds one."""
+        self._fleet, self._at = None, -math.inf
 
     def frame(self, request: object, build: Callable[[], Snapshot]) -> bytes:
         """The snapshot frame of the view a viewer asked for (see :meth:`ViewRequest.

@@ -1027,6 +1027,7 @@ class Hub:
         if evaluation is not None:
             self._report(evaluation)
         self._snap_cache = None
+        self.viewports.clear()  # the views say the job ended at once
         ended = self.state.job_exit
         return list(ended.ended) if ended is not None else []
 
@@ -1039,6 +1040,7 @@ class Hub:
         if self.recorder is not None:
             self.recorder.frame(KIND_LINKS, result, now)
         self._snap_cache = None
+        self.viewports.clear()
 
     def analysis_config(self) -> AnalysisConfig:
         """The thresholds the diagnosis judges by (the defaults before it starts)."""
