@@ -336,3 +336,34 @@ def test_a_full_disk_stops_the_process_recording_with_one_error(tiny_disk, caplo
     assert len(errors) == 1 and "No space left" in errors[0] and str(path) in errors[0], \
         errors
     assert any(f.kind == wire.KIND_BATCH for _, f in read(path))  # what fitted reads
+
+
+def test_a_process_that_ran_a_while_is_started_again(tmp_path, monkeypatch, caplog):
+    """The recorder's process killed after it ran long enough (``RESTART_AFTER_S``): the
+    hub's process writes meanwhile, a new process takes over at a later flush, and the
+    recording holds every frame once."""
+    monkeypatch.setattr(recorder_mod, "RESTART_AFTER_S", 0.0)
+    path = tmp_path / "run.rtop"
+    frames = _stream()
+    rec = Recorder(path, {"job": "x"}, process=True)
+    first = rec.process_pid
+    assert first is not None
+    pids = set()
+    for i, (t, data) in enumerate(frames):
+        rec.raw(data, t)
+        if i == len(frames) // 3:
+            rec.flush()
+            os.kill(first, signal.SIGKILL)
+        if i % 100 == 99:
+            if rec.process_pid is None:
+                time.sleep(1.05)  # a second on: the pace is looked at again
+            rec.flush()
+            pids.add(rec.process_pid)
+    rec.close()
+    assert first in pids and len(pids - {first, None}) == 1  # one new process
+    got = [f for _, f in read(path)]
+    sent = [wire.decode_body(d[wire.HEADER_BYTES:]) for _, d in frames]
+    assert [(f.kind, f.payload.get("seq")) for f in got if f.kind == wire.KIND_BATCH] == \
+        [(f.kind, f.payload.get("seq")) for f in sent if f.kind == wire.KIND_BATCH]
+    assert got[-1].kind == "end"
+    assert sum(1 for r in caplog.records if r.levelno >= logging.ERROR) == 1
