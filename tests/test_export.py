@@ -89,12 +89,24 @@ def check_against_report(out: Path, rep: dict[str, Any]) -> None:
         assert last["t_wall_hub"] == pytest.approx(last["t_wall"] - off, abs=1e-6)
         # its collectives: one row per step and collective, as the report sums them up
         coll = [c for c in rows(out, "collectives")
-                if c["rank"] == r["rank"] and c["attempt"] == attempt]
+                if c["rank"] == r["rank"] and c["attempt"] == attempt
+                and c["process_group"] is None]
         for op, fig in r["collectives"].items():
             ops = [c for c in coll if c["op"] == op]
             assert len(ops) == fig["steps"]
             assert median([c["comm_s"] for c in ops]) == pytest.approx(fig["s"], rel=1e-12)
             assert median([c["comm_bytes"] for c in ops]) == fig["bytes"]
+        # and per process group, where the job ran several: as the report has them
+        grouped = [c for c in rows(out, "collectives") if c["rank"] == r["rank"]
+                   and c["attempt"] == attempt and c["process_group"] is not None]
+        assert {c["process_group"] for c in grouped} == set(r["groups"])
+        for group, g in r["groups"].items():
+            for op, fig in g["collectives"].items():
+                ops = [c for c in grouped
+                       if c["process_group"] == group and c["op"] == op]
+                assert len(ops) == fig["steps"] > 0
+                assert median([c["comm_s"] for c in ops]) == pytest.approx(fig["s"],
+                                                                         rel=1e-12)
     # the ranks table is the report's, every attempt's
     ranks = rows(out, "ranks")
     assert [(x["rank"], x["attempt"], x["node"], x["status"], x["steps"]) for x in ranks] == [
@@ -197,6 +209,24 @@ def test_a_simulated_fleet_exports_what_the_report_says(tmp_path: Path) -> None:
         assert {g["node"] for g in gpu[rank]} == {r["node"]}
     assert {f["nodes"][0] for f in rows(out, "findings") if f["ranks"]} <= {
         "node-00000", "node-00001"}
+
+
+def test_collectives_per_process_group_are_rows_of_their_group(tmp_path: Path) -> None:
+    """A simulated 2-stage pipeline (16 ranks): each step's allreduce split by process
+    group (the stage's data-parallel group) is exported as rows of that group, and
+    agrees with the report's per-group medians (check_against_report)."""
+    run, out = tmp_path / "pp.rtop", tmp_path / "out"
+    write_recording(run, FleetSpec(ranks=16, seed=2, duration_s=30.0, stages=2), "healthy")
+    proc = export(run, out)
+    assert proc.returncode == 0, proc.stderr
+    rep = report(run)
+    check_against_report(out, rep)
+    grouped = [c for c in rows(out, "collectives") if c["process_group"] is not None]
+    assert grouped and all(r["groups"] for r in rep["ranks"])
+    # a rank's groups are its own stage's: ranks of the two stages name different ones
+    first = {c["process_group"] for c in grouped if c["rank"] < 8}
+    second = {c["process_group"] for c in grouped if c["rank"] >= 8}
+    assert first and second and not first & second, (first, second)
 
 
 @pytest.mark.parametrize("source", ["real", "simulated"])

@@ -11,7 +11,9 @@ rtop version, the source recording, whether it was cut short, each table's rows)
   ``collectors.figures`` names them (``gpu_util_pct``, ``mem_peak_bytes``, ``step_s``),
   with ``t_wall_hub`` (the rank's ``t_wall`` on the hub's clock) after ``t_wall``;
 * ``collectives``: one row per step and collective it ran (op, its time, bytes, calls,
-  bus bandwidth);
+  bus bandwidth), ``process_group`` null; where the job's collectives ran on several
+  process groups (tensor, pipeline, data parallel), also one row per step, group and
+  collective, ``process_group`` the group's name;
 * ``ranks``: one row per rank of each attempt, with what ``rtop report --json`` says of
   it (node, status, steps, the medians over the run, clock offset, ...);
 * ``findings``: every finding of the diagnosis over the run, as ``rtop report`` makes

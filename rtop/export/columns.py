@@ -40,8 +40,8 @@ FLOAT_UNITS: Final = ("_s", "_Bps", "_pct", "_w", "_c", "_mhz")
 WHOLE: Final = frozenset({"step", "samples", "tokens", "comm_calls", "loader_procs",
                           "clock_event_reasons"})
 #: Wire fields that hold maps, not exported as columns of their table: a step's
-#: ``collectives`` (its own table, :data:`COLLECTIVES`) and its ``groups`` (the same split
-#: by process group; not exported yet: the report's ranks carry its medians).
+#: ``collectives`` and its ``groups`` (the same split by process group) are rows of the
+#: collectives table (:data:`COLLECTIVES`).
 MAPS: Final = frozenset({"collectives", "groups"})
 #: Tables exported under another file name than their wire key.
 FILE_NAMES: Final = {"hb": "heartbeats"}
@@ -135,12 +135,18 @@ def _table_spec(key: str) -> TableSpec:
 #: The measurement tables, in the wire's order.
 MEASUREMENTS: Final = tuple(_table_spec(key) for key in TABLES)
 #: One row per step and collective it ran (a step without a ``collectives`` map that
-#: ran collectives ran allreduces only: one ``all_reduce`` row with the step's figures).
+#: ran collectives ran allreduces only: one ``all_reduce`` row with the step's figures),
+#: ``process_group`` null; and, for a job whose collectives ran on several process
+#: groups, one row per step, group and collective, ``process_group`` its name
+#: (``collectors.groups``).
 COLLECTIVES: Final = (
     *WHO,
     Column("step", "int", "the rank's step counter, from 0"),
     T_WALL, T_WALL_HUB,
     Column("op", "text", "the collective (all_reduce, all_gather, reduce_scatter, ...)"),
+    Column("process_group", "text", "the process group it ran on (torch's group_name; the "
+                            "rank's meta describes it), or null: the step's collectives "
+                            "on every group together"),
     *(Column(f"comm_{name}", kind_of(f"comm_{name}"),
              f"the collective's {name} in the step (collectors.schema.COLLECTIVE_FIGURES)")
       for name in COLLECTIVE_FIGURES),

@@ -30,6 +30,7 @@ _INT64_MAX: Final = (1 << 63) - 1
 _INT64_MIN: Final = -(1 << 63)
 _STEP: Final = STEP_FIELDS.index("step")
 _T_WALL: Final = STEP_FIELDS.index("t_wall")
+_GROUPS: Final = STEP_FIELDS.index("groups")
 
 #: The measurement tables' file names (without ``.parquet``), then the collectives'.
 TABLE_FILES: Final = (*(spec.file for spec in MEASUREMENTS), COLLECTIVES_FILE)
@@ -107,7 +108,7 @@ class RowCollector:
         self._coll = _Buffer(COLLECTIVES_FILE, COLLECTIVES)
         self._coll_plan = [(self._coll.data[c.name], f"{COLLECTIVES_FILE}.{c.name}"
                             if c.kind == "int" else None)
-                           for c in COLLECTIVES[len(WHO) + 4:]]  # after step, times, op
+                           for c in COLLECTIVES[len(WHO) + 5:]]  # after step, times, op, group
         self.rows: dict[str, int] = {f: 0 for f in self.files}
         self.bad_values: dict[str, int] = {}
         self._plans = [(spec, buf, _plan(spec, buf)) for spec, buf in self._tables]
@@ -192,15 +193,18 @@ class RowCollector:
             step = self._whole(row[_STEP], f"{COLLECTIVES_FILE}.step")
             t_wall = row[_T_WALL]
             on_hub = _on_hub_clock(t_wall, who.offset_s)
-            for op, figures in split.items():
-                buf.who.append(who)
-                d["step"].append(step)
-                d["t_wall"].append(t_wall)
-                d["t_wall_hub"].append(on_hub)
-                d["op"].append(op)
-                for (values, whole), v in zip(self._coll_plan, figures, strict=True):
-                    values.append(v if whole is None else self._whole(v, whole))
-                self.rows[COLLECTIVES_FILE] += 1
+            splits = [(None, split), *(row[_GROUPS] or {}).items()]
+            for group, ops in splits:
+                for op, figures in ops.items():
+                    buf.who.append(who)
+                    d["step"].append(step)
+                    d["t_wall"].append(t_wall)
+                    d["t_wall_hub"].append(on_hub)
+                    d["op"].append(op)
+                    d["process_group"].append(group)
+                    for (values, whole), v in zip(self._coll_plan, figures, strict=True):
+                        values.append(v if whole is None else self._whole(v, whole))
+                    self.rows[COLLECTIVES_FILE] += 1
         self._spill(buf)
 
     def _whole(self, v: Any, name: str) -> int | None:
