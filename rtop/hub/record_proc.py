@@ -39,7 +39,7 @@ import signal
 import struct
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import msgpack
 
@@ -149,14 +149,14 @@ class RecordCore:
             self._told.add(key)
             self._note(logging.WARNING, msg)
 
-    def _frames(self, chunk: bytes) -> list[bytes | memoryview]:
+    def _frames(self, chunk: bytes | bytearray) -> list[bytes | memoryview]:
         """The chunk's frames (whole, header and body), secrets taken out."""
         view = memoryview(chunk)
         out: list[bytes | memoryview] = []
         hb, unpack = wire.HEADER_BYTES, wire.HEADER.unpack_from
         at, n = 0, len(chunk)
         # one look at the whole chunk: most hold nothing that looks like a secret
-        suspect = may_hold_secret(chunk) or any(s in chunk for s in self._secrets)
+        suspect = may_hold_secret(cast(bytes, chunk)) or any(s in chunk for s in self._secrets)
         while at + hb <= n:
             end = at + hb + unpack(chunk, at)[2]
             if end > n:
@@ -172,7 +172,7 @@ class RecordCore:
 
     # ---- writing -----------------------------------------------------------------------
 
-    def write(self, chunk: bytes, end_t: float | None = None) -> None:
+    def write(self, chunk: bytes | bytearray, end_t: float | None = None) -> None:
         """Write the chunk's frames as one block (and, with ``end_t``, the ``end`` frame
         after them: the hub closed the recording at ``end_t``). After a failure (see
         :attr:`failed`), nothing."""

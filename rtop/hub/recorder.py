@@ -127,7 +127,7 @@ class _Handed:
 
     number: int
     kind: bytes
-    body: bytes
+    body: bytes | bytearray
     since: float
     then: list[tuple[asyncio.AbstractEventLoop, Then]] = field(default_factory=list)
 
@@ -168,7 +168,7 @@ class _Process:
         self.ending = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_dead: Then | None = None
-        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._out: queue.SimpleQueue[bytes | bytearray | None] = queue.SimpleQueue()
         self.send(record_proc.START, msgpack.packb(start, use_bin_type=True))
         self._threads = [threading.Thread(target=self._writing, daemon=True,
                                           name="rtop-recorder-writer"),
@@ -181,7 +181,7 @@ class _Process:
     def pid(self) -> int:
         return int(self.proc.pid)
 
-    def send(self, kind: bytes, body: bytes, then: Then | None = None,
+    def send(self, kind: bytes, body: bytes | bytearray, then: Then | None = None,
              loop: asyncio.AbstractEventLoop | None = None) -> int:
         """Hand a message over; returns the answer that confirms it (0: none comes)."""
         self._out.put(record_proc.MESSAGE.pack(kind, len(body)))
@@ -453,8 +453,7 @@ class Recorder:
     def _flush(self, then: Then | None, wait: bool,
                loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._check_process()
-        chunk = bytes(self._buf)
-        self._buf.clear()
+        chunk, self._buf = self._buf, bytearray()  # not copied: never changed again
         proc = self._proc
         if proc is None:
             if chunk and self._core is not None and not self.failed:
