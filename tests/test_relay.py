@@ -484,6 +484,42 @@ def test_a_cut_link_to_the_hub_loses_and_doubles_nothing(
     assert dup > 0  # sent again, and dropped by seq: the hub held them already
 
 
+def test_a_relay_that_hears_nothing_from_its_hub_connects_again(hub: ThreadedHub):
+    """A hub-to-relay direction that stays silent (a link cut and restored, whose
+    acknowledgements wait on TCP's retransmission backoff; here: the hub's loop held)
+    past ``hub_silent_s``: the relay drops that connection and connects again."""
+    from rtop.hub.relay import RelayConfig, ThreadedRelay
+
+    relay = ThreadedRelay(RelayConfig(hub=hub.address, token=ingest(hub), node=NODE,
+                                      job=JOB, hub_silent_s=1.5, keepalive_s=0.5,
+                                      linger_s=None)).start()
+    rank: RankClient | None = None
+    try:
+        wait_for(lambda: hub.call(lambda h: h.relays.count()) == 1, 30,
+                 what="the relay on the hub")
+        assert relay.relay is not None
+        counters = relay.relay.counters
+        time.sleep(3.0)  # a relay with no rank: the hub has nothing to say to it, kept
+        assert counters["hub_connects"] == 1 and counters["hub_losses"] == 0
+        rank = RankClient(relay.address, ingest(hub), rank=0, world=2, host=NODE, job=JOB)
+        for i in range(6):  # a rank through it, its batches acknowledged: kept
+            rank.send(wire.KIND_BATCH, {"rank": 0, "group": rank.group, "seq": i + 1,
+                                        "t_wall": time.time(), "dropped": 0,
+                                        "steps": [step_row(i)]})
+            time.sleep(0.5)
+        assert counters["hub_losses"] == 0
+        with contextlib.suppress(Exception):  # the hub's loop held: silent for 3 s
+            hub.call(lambda h: time.sleep(3.0), timeout=10)
+        wait_for(lambda: counters["hub_connects"] >= 2, 30, what="the relay back")
+        assert counters["hub_losses"] >= 1
+        wait_for(lambda: hub.call(lambda h: h.relays.count()) == 1, 30,
+                 what="the relay on the hub again")
+    finally:
+        if rank is not None:
+            rank.close()
+        relay.stop()
+
+
 def test_a_hub_restart_behind_a_relay_loses_and_doubles_nothing(
         tmp_path: Path, large_job: None, spawned_relays: None):
     port = free_port()

@@ -105,9 +105,12 @@ class RelayConfig:
     rank_buffer_bytes: int = 4 << 20  # queued to a rank that does not read: closed
     max_streams: int = 1024
     keepalive_s: float = 5.0  # an empty frame when nothing went up for this long
-    #: nothing from the hub this long (it pings every 10 s): a connection that died
-    #: silently, connect again (a hub merely busy is waited for, as ranks wait for it)
-    hub_silent_s: float = 300.0
+    #: nothing from the hub this long (it pings each rank every 10 s: six missed by every
+    #: rank of the node): a connection that died silently, or one whose hub-to-relay
+    #: direction waits on TCP's retransmission backoff after a cut link (tens of seconds
+    #: of acknowledgements held back: the cut-link fault), so connect again; a hub merely
+    #: busy for less is waited for, as ranks wait for it
+    hub_silent_s: float = 60.0
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 2.0
     connect_timeout_s: float = 5.0  # for the hub to take the connection and welcome it
@@ -397,6 +400,9 @@ class Relay:
         ``linger_s`` without a rank."""
         cfg = self.cfg
         empty_since = time.monotonic()
+        # the hub speaks to a relay through its ranks (pings, acks): silence counts only
+        # while the relay has ranks, from when it last had none
+        heard_floor = empty_since
         # each relay at its own phase of the interval: relays started together (a job's
         # nodes, a benchmark's) would otherwise reach the hub in bursts, all at once
         await asyncio.sleep(random.uniform(0, cfg.interval_s))
@@ -404,7 +410,9 @@ class Relay:
             await asyncio.sleep(cfg.interval_s)
             now = time.monotonic()
             up = self._up_conn
-            if up is not None and now - up.last > cfg.hub_silent_s:
+            if not self.streams:
+                heard_floor = now
+            if up is not None and now - max(up.last, heard_floor) > cfg.hub_silent_s:
                 log.warning("rtop relay: nothing from the hub for %.0f s; connecting "
                             "again", cfg.hub_silent_s)
                 if up.transport is not None:
