@@ -107,7 +107,8 @@ H200_MEM_BYTES = 150_754_820_096
 COMM_BYTES = 2 * 1_400_000_000  # bf16 gradients of a 1.4B-parameter model
 JOB = "llama-pretrain"  # not in any file name: the pty test looks for it on screen
 CACHE = Path("/tmp/rtop-bench")
-RECORDING_VERSION = 1  # bump when the generator changes: cached files are regenerated
+#: bump when the generator or the format changes: cached files are regenerated (2: blocks)
+RECORDING_VERSION = 2
 RENDER_TARGET_MS, RATE_TARGET_HZ, OPEN_TARGET_S = 100.0, 2.0, 2.0
 VIEW_TARGET_BYTES = 1_000_000
 FLEET_AT_S = 35.0  # into a 36 s simulated run: its slow node slowed at 30 s
