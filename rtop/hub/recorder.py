@@ -538,7 +538,8 @@ class Recorder:
 
     def _start_process(self) -> None:
         core = self._core
-        if core is None or self.failed or self._closed or self._started >= MAX_PROCESSES:
+        if core is None or self.failed or self._closed or self._started >= MAX_PROCESSES \
+                or not sys.executable:  # an embedded interpreter: none to start
             return
         start = core.state(full=True)
         start.update(blocked=self._blocked, rounded=self._rounded, path=str(self.path),
