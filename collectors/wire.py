@@ -14,7 +14,9 @@ version other than ``VERSION`` or a body that is not ``[str, map]`` is refused w
 :class:`WireError` that says which; the connection that sent it is closed and nothing
 else is affected. Bodies are walked first without building anything (a container
 must hold what its header claims before msgpack allocates for it) and decoded with
-msgpack's ``max_*_len`` limits scaled to its length, and the reader's limit is small
+msgpack's ``max_*_len`` limits scaled to its length (or, for the small bodies a
+:class:`FrameDecoder` reads, by one unpacker per thread that a body's walk has
+shown claims no more than it holds), and the reader's limit is small
 until a peer has proved itself: a hub reads
 ``PREAUTH_FRAME_BYTES`` before a peer has authenticated, a rank or viewer
 ``UNPROVEN_HUB_FRAME_BYTES`` before the hub has, and a rank ``RANK_FRAME_BYTES`` after.
@@ -28,6 +30,7 @@ only its own kinds (``RANK_KINDS``, ``VIEWER_KINDS``, ``CONTROL_KINDS``,
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, Final
@@ -158,6 +161,11 @@ def encode(kind: str, payload: Mapping[str, Any]) -> bytes:
 def parse_header(header: bytes, max_bytes: int = MAX_FRAME_BYTES) -> int:
     """Check a frame header and return the body length it announces."""
     magic, version, length = HEADER.unpack(header)
+    return _check_header(magic, version, length, max_bytes)
+
+
+def _check_header(magic: bytes, version: int, length: int, max_bytes: int) -> int:
+    """:func:`parse_header` of a header already unpacked."""
     if magic != MAGIC:
         raise BadMagic(f"bad frame magic {magic!r} (expected {MAGIC!r}): not an rtop peer?")
     if version != VERSION:
@@ -216,6 +224,53 @@ def decode_body(body: bytes | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> F
     return Frame(obj[0], obj[1])
 
 
+#: Bodies at most this long are decoded with a reused unpacker (:func:`_decode_reused`);
+#: a longer one (rare: a snapshot, a stack) with a fresh one, as :func:`decode_body`.
+REUSE_BYTES: Final = 64 * 1024
+
+
+class _Reused(threading.local):
+    """One unpacker per thread, fed one body at a time (see :func:`_decode_reused`)."""
+
+    unpacker: msgpack.Unpacker | None = None
+
+
+_reused = _Reused()
+
+
+def _decode_reused(body: bytes | memoryview, max_bytes: int) -> Frame:
+    """:func:`decode_body`, for a body of at most :data:`REUSE_BYTES`, without making
+    an unpacker per body (that costs more than decoding a small one).
+
+    The same checks in the same order: the body is walked first (``skip``: every
+    element it claims must be there, so decoding allocates in proportion to it) and
+    must be one whole object, then decoded. Its limits are :data:`REUSE_BYTES`'s, not
+    the body's own: a body whose elements are all there claims no more than it holds,
+    so it passes either; anything that goes wrong is decoded again by
+    :func:`decode_body`, whose error (or result) is the answer, and the thread's
+    unpacker, in an unknown state, is made afresh next time."""
+    unpacker = _reused.unpacker
+    if unpacker is None:
+        unpacker = _reused.unpacker = msgpack.Unpacker(
+            raw=False, use_list=True, strict_map_key=True, read_size=4096,
+            max_buffer_size=2 * REUSE_BYTES, **unpack_limits(REUSE_BYTES))
+    try:
+        start = unpacker.tell()
+        unpacker.feed(body)
+        unpacker.skip()
+        whole = unpacker.tell() - start == len(body)
+        if whole:
+            unpacker.feed(body)
+            obj = unpacker.unpack()
+    except Exception:  # msgpack raises several unrelated types
+        whole = False
+    if not whole or type(obj) is not list or len(obj) != 2 or type(obj[0]) is not str \
+            or type(obj[1]) is not dict:
+        _reused.unpacker = None
+        return decode_body(body, max_bytes)
+    return Frame(obj[0], obj[1])
+
+
 class FrameDecoder:
     """Incremental decoder: feed it bytes as they arrive, get whole frames back.
 
@@ -242,25 +297,37 @@ class FrameDecoder:
         """Like :meth:`feed`, with each frame's exact bytes (header and body) beside it,
         for a recorder that stores frames as received."""
         buf = self._buf
-        buf += data
+        src: bytes | bytearray
+        if buf:
+            buf += data
+            src = buf
+        else:  # nothing held (the usual case): read ``data`` itself, no copy
+            src = data if type(data) is bytes else bytes(data)
         out: list[tuple[bytes, Frame]] = []
-        off, n = 0, len(buf)
+        off, n = 0, len(src)
+        max_bytes = self.max_bytes
         try:
             while n - off >= HEADER_BYTES:
-                length = parse_header(bytes(buf[off:off + HEADER_BYTES]), self.max_bytes)
+                magic, version, length = HEADER.unpack_from(src, off)
+                length = _check_header(magic, version, length, max_bytes)
                 end = off + HEADER_BYTES + length
                 if n < end:
                     break
-                raw = bytes(buf[off:end])
-                out.append((raw, decode_body(memoryview(raw)[HEADER_BYTES:],
-                                             self.max_bytes)))
+                # a whole ``data`` is itself (bytes slices of all of it are not copies)
+                raw = bytes(src[off:end])
+                body = memoryview(raw)[HEADER_BYTES:]
+                out.append((raw, _decode_reused(body, max_bytes) if length <= REUSE_BYTES
+                            else decode_body(body, max_bytes)))
                 off = end
         except WireError as exc:
             exc.partial = out  # the whole frames before the bad one, for the caller
             raise
         finally:
-            if off:
-                del buf[:off]  # once per feed, not once per frame
+            if src is buf:
+                if off:
+                    del buf[:off]  # once per feed, not once per frame
+            elif off < n:
+                buf += src[off:]  # the start of a frame: held for the next feed
         return out
 
 

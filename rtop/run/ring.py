@@ -37,16 +37,47 @@ class Rings:
         self.window = window
         self.blocks: list[np.ndarray] = []
         self.starts: list[int] = []  # the first slot of each block
-        self.pos = np.zeros(0, dtype=np.int64)  # next write position per slot
-        self.count = np.zeros(0, dtype=np.int64)  # rows written, at most ``window``
-        self.base = np.zeros(0)  # per slot: its first t_wall, NaN before
+        # per slot, kept as Python values (one append touches a few of them: cheaper than
+        # numpy scalars); :attr:`pos`, :attr:`count` and :attr:`base` are their arrays
+        self._pos: list[int] = []  # next write position
+        self._count: list[int] = []  # rows written, at most ``window``
+        self._base: list[float] = []  # its first t_wall, NaN before
+        self._rows: list[np.ndarray] = []  # its ``(window, fields)`` view in its block
+        self._counters: tuple[np.ndarray, np.ndarray] | None = None  # pos, count arrays
+        self._bases: np.ndarray | None = None
         self._t = self.index.get("t_wall")
         self.ensure(slots, slots)
 
     @property
     def slots(self) -> int:
         """Number of rank slots allocated."""
-        return int(self.pos.shape[0])
+        return len(self._pos)
+
+    @property
+    def pos(self) -> np.ndarray:
+        """Next write position per slot (int64)."""
+        return self._arrays()[0]
+
+    @property
+    def count(self) -> np.ndarray:
+        """Rows written per slot, at most ``window`` (int64)."""
+        return self._arrays()[1]
+
+    @property
+    def base(self) -> np.ndarray:
+        """Per slot, the ``t_wall`` its stored ones are relative to (NaN before its
+        first)."""
+        if self._bases is None:
+            self._bases = np.array(self._base, dtype=np.float64)
+        return self._bases
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """:attr:`pos` and :attr:`count` as arrays, made again after appends (once per
+        read of all slots, not once per append)."""
+        if self._counters is None:
+            self._counters = (np.array(self._pos, dtype=np.int64),
+                              np.array(self._count, dtype=np.int64))
+        return self._counters
 
     def ensure(self, slots: int, most: int | None = None) -> None:
         """Grow to at least ``slots`` slots, a block at a time (see the module doc; no
@@ -57,43 +88,41 @@ class Rings:
             if most is not None:
                 size = min(size, most - have)
             size = max(size, 1)
-            self.blocks.append(np.full((size, self.window, len(self.fields)), np.nan,
-                                       dtype=np.float32))
+            block = np.full((size, self.window, len(self.fields)), np.nan, dtype=np.float32)
+            self.blocks.append(block)
             self.starts.append(have)
-            self.pos = np.concatenate([self.pos, np.zeros(size, dtype=np.int64)])
-            self.count = np.concatenate([self.count, np.zeros(size, dtype=np.int64)])
-            self.base = np.concatenate([self.base, np.full(size, np.nan)])
-
-    def _where(self, slot: int) -> tuple[np.ndarray, int]:
-        """The block a slot is in, and its index there."""
-        b = len(self.starts) - 1
-        while self.starts[b] > slot:
-            b -= 1
-        return self.blocks[b], slot - self.starts[b]
+            self._pos += [0] * size
+            self._count += [0] * size
+            self._base += [math.nan] * size
+            self._rows += list(block)
+            self._counters = self._bases = None
 
     def clear(self, slot: int) -> None:
         """Forget a slot's history (it is about to be reused)."""
-        block, i = self._where(slot)
-        block[i] = np.nan
-        self.pos[slot] = 0
-        self.count[slot] = 0
-        self.base[slot] = np.nan
+        self._rows[slot][:] = np.nan
+        self._pos[slot] = 0
+        self._count[slot] = 0
+        self._base[slot] = math.nan
+        self._counters = self._bases = None
 
-    def append(self, slot: int, row: list[float]) -> None:
-        """Append one row (``len(fields)`` floats, NaN for missing)."""
-        if self._t is not None:
-            t = row[self._t]
-            if not math.isnan(t):
-                base = float(self.base[slot])
+    def append(self, slot: int, row: Sequence[float | None]) -> None:
+        """Append one row (``len(fields)`` numbers; None or NaN for missing)."""
+        t_at = self._t
+        if t_at is not None:
+            t = row[t_at]
+            if t is not None and not math.isnan(t):
+                base = self._base[slot]
                 if math.isnan(base):
-                    self.base[slot] = base = t
-                row[self._t] = t - base
-        p = int(self.pos[slot])
-        block, i = self._where(slot)
-        block[i, p] = row
-        self.pos[slot] = (p + 1) % self.window
-        if self.count[slot] < self.window:
-            self.count[slot] += 1
+                    self._base[slot] = base = float(t)
+                    self._bases = None
+                row = list(row)
+                row[t_at] = t - base
+        p = self._pos[slot]
+        self._rows[slot][p] = row  # None is NaN in a float array
+        self._pos[slot] = p + 1 if p + 1 < self.window else 0
+        if self._count[slot] < self.window:
+            self._count[slot] += 1
+        self._counters = None
 
     def last(self, slots: np.ndarray, k: int, fields: list[str] | None = None) -> np.ndarray:
         """The last ``k`` rows of each of ``slots``: ``(len(slots), k, fields)``, oldest
@@ -101,7 +130,8 @@ class Rings:
         k = max(1, min(k, self.window))
         offsets = np.arange(-k, 0)
         idx = (self.pos[slots][:, None] + offsets[None, :]) % self.window
-        cols = None if fields is None else np.array([self.index[f] for f in fields])
+        cols = None if fields is None else np.array([self.index[f] for f in fields],
+                                                   dtype=np.int64)
         if len(self.blocks) == 1 or not len(slots):
             values = self._gather(self.blocks[0], slots, idx, cols)
         else:
@@ -126,11 +156,17 @@ class Rings:
     @staticmethod
     def _gather(block: np.ndarray, local: np.ndarray, idx: np.ndarray,
                 cols: np.ndarray | None) -> np.ndarray:
-        if cols is None:
-            out: np.ndarray = block[local[:, None], idx]
-            return out
-        out = block[local[:, None, None], idx[:, :, None], cols[None, None, :]]
-        return out
+        """Rows ``idx`` (``(n, k)`` positions) of the slots ``local`` of ``block``:
+        ``(n, k, fields)``, only ``cols`` if given. Whole rows are taken by their flat
+        index (a few contiguous floats each: one ``take``), then the columns: several
+        times cheaper than indexing the three axes at once."""
+        n, k = idx.shape
+        window, width = block.shape[1], block.shape[2]
+        flat = (local[:, None] * window + idx).ravel()
+        rows: np.ndarray = block.reshape(-1, width).take(flat, axis=0)
+        if cols is not None:
+            rows = rows[:, cols]
+        return rows.reshape(n, k, rows.shape[1])
 
     def stored(self, slots: np.ndarray, field: str) -> np.ndarray:
         """Every value of ``field`` each of ``slots`` holds, in storage order (not time
@@ -146,12 +182,12 @@ class Rings:
 
     def history(self, field: str, slot: int) -> np.ndarray:
         """Every stored value of ``field`` for one slot, oldest first (float64)."""
-        n = int(self.count[slot])
+        n = self._count[slot]
         if not n:
             return np.empty(0)
         out = self.last(np.array([slot]), n)[0, :, self.index[field]].astype(np.float64)
-        if field == "t_wall" and not math.isnan(self.base[slot]):
-            out += self.base[slot]
+        if field == "t_wall" and not math.isnan(self._base[slot]):
+            out += self._base[slot]
         return out
 
     def bases(self, slots: np.ndarray) -> np.ndarray:
@@ -162,8 +198,7 @@ class Rings:
 
     def nbytes(self) -> int:
         """Memory held by the arrays."""
-        return int(sum(b.nbytes for b in self.blocks) + self.pos.nbytes + self.count.nbytes
-                   + self.base.nbytes)
+        return int(sum(b.nbytes for b in self.blocks) + 3 * 8 * self.slots)
 
 
 def nanmedian_rows(values: np.ndarray) -> np.ndarray:

@@ -25,7 +25,9 @@ import statistics
 import time
 from array import array
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Final, TypedDict, cast
 
 import numpy as np
@@ -111,6 +113,24 @@ _HB = {f: i for i, f in enumerate(HEARTBEAT_FIELDS)}
 _GPU_HIST = [_GPU[k] for k in window_fields("gpu")]
 _HOST_HIST = [_HOST[k] for k in window_fields("host")]
 _MEM_HIST = [_MEM[k] for k in window_fields("mem")]
+
+
+def _values(indices: Sequence[int]) -> Callable[[list[Any]], tuple[Any, ...]]:
+    """The values of a row at ``indices``, as a tuple (``itemgetter``, a tuple even
+    for one index)."""
+    if len(indices) == 1:
+        j = indices[0]
+        return lambda row: (row[j],)
+    return cast(Callable[[list[Any]], tuple[Any, ...]], itemgetter(*indices))
+
+
+# What on_batch stores of a checked row, picked in C (None is NaN in the windows)
+_STEP_VALUES = _values(_STEP_PICK)
+_GPU_VALUES, _HOST_VALUES, _MEM_VALUES = (_values(h) for h in (_GPU_HIST, _HOST_HIST,
+                                                                 _MEM_HIST))
+_NO_GPU, _NO_HOST, _NO_MEM = ((None,) * len(h) for h in (_GPU_HIST, _HOST_HIST, _MEM_HIST))
+_N_GPU, _N_HOST = len(GPU_FIELDS) - 1, len(HOST_FIELDS) - 1
+_M_DEVICE, _HB_STACK, _HB_PHASE_S = _MEM["device"], _HB["stack"], _HB["phase_s"]
 #: Latest-sample columns (numbers only) kept per slot for snapshots.
 LATEST = tuple([f"gpu_{f}" for f in GPU_FIELDS[1:]] + [f"host_{f}" for f in HOST_FIELDS[1:]]
                + [f"mem_{f}" for f in MEM_FIELDS[2:]] + ["phase_s"])
@@ -176,6 +196,9 @@ _S_COLL: Final = STEP_FIELDS.index("collectives")
 _S_GROUPS: Final = STEP_FIELDS.index("groups")
 _S_COMM: Final = tuple(STEP_FIELDS.index(f) for f in ("comm_s", "comm_bytes", "comm_calls",
                                                        "busbw_Bps"))
+_S_CALLS: Final = _S_COMM[2]
+_COMM_VALUES = _values(_S_COMM)
+_WIDTH: Final = len(COLLECTIVE_FIGURES)
 
 
 def step_split(row: list[Any]) -> dict[str, list[float | int | None]] | None:
@@ -205,18 +228,24 @@ class CollectiveWindow:
 
     def add(self, split: dict[str, list[float | int | None]]) -> None:
         """One step's figures (:func:`step_split`)."""
-        width = len(COLLECTIVE_FIGURES)
         for op, figures in split.items():
-            entry = self.rings.get(op)
-            if entry is None:
-                if len(self.rings) >= self.most:
-                    continue
-                entry = self.rings[op] = [array("d", [_NAN]) * (self.keep * width), 0, 0]
-            ring, at = entry[0], entry[1] * width
-            for k, v in enumerate(figures):
-                ring[at + k] = _NAN if v is None else float(v)
-            entry[1] = (entry[1] + 1) % self.keep
-            entry[2] = min(self.keep, entry[2] + 1)
+            self.add_one(op, figures)
+
+    def add_one(self, op: str, figures: Sequence[float | int | None]) -> None:
+        """One step's figures of one collective (``COLLECTIVE_FIGURES``)."""
+        entry = self.rings.get(op)
+        if entry is None:
+            if len(self.rings) >= self.most:
+                return
+            entry = self.rings[op] = [array("d", [_NAN]) * (self.keep * _WIDTH), 0, 0]
+        at = entry[1]
+        # figures are checked to be COLLECTIVE_FIGURES long (validate.clean_split)
+        entry[0][at * _WIDTH:(at + 1) * _WIDTH] = array("d", figures) \
+            if None not in figures else array("d", [_NAN if v is None else v
+                                                    for v in figures])
+        entry[1] = at + 1 if at + 1 < self.keep else 0
+        if entry[2] < self.keep:
+            entry[2] += 1
 
     def medians(self) -> dict[str, CollectiveFigures]:
         """Per collective, the median of each figure over the steps held in which it
@@ -596,20 +625,23 @@ class RunState:
             self.started = t_hub
         self.frames += 1
         kind, p = frame.kind, frame.payload
-        if kind == wire.KIND_HELLO:
-            rs = self.on_hello(p, t_hub, peer=peer)
-        elif kind in (wire.KIND_BATCH, wire.KIND_BYE, "offset") or (
-                kind == "conn" and p.get("event") == "close"):
+        if kind == wire.KIND_BATCH:  # the most frames by far
             rs = self._rank_of(p, peer)
-            if kind == wire.KIND_BATCH:
-                if self.is_duplicate(frame, rs):
+            seq = p.get("seq")
+            if type(seq) is int and seq > 0:  # see is_duplicate
+                if rs.last_seq is not None and seq <= rs.last_seq:
                     self.duplicate_frames += 1
                     return rs
                 self.on_batch(rs, p, t_hub, history)
-                seq = p.get("seq")
-                if type(seq) is int and seq > 0:
-                    rs.last_seq = seq
-            elif kind == wire.KIND_BYE:
+                rs.last_seq = seq
+            else:
+                self.on_batch(rs, p, t_hub, history)
+        elif kind == wire.KIND_HELLO:
+            rs = self.on_hello(p, t_hub, peer=peer)
+        elif kind in (wire.KIND_BYE, "offset") or (
+                kind == "conn" and p.get("event") == "close"):
+            rs = self._rank_of(p, peer)
+            if kind == wire.KIND_BYE:
                 self.on_bye(rs, p, t_hub)
             elif kind == "offset":
                 offset = check_number("offset: 'offset_s'", p.get("offset_s"))
@@ -649,7 +681,9 @@ class RunState:
         group = p.get("group")
         if group is not None and not isinstance(group, str):
             raise ProtocolError(f"'group' must be a string, got {described(group)}")
-        rs = self.rank_state(rank, safe_text(group, MAX_NAME) if group else None)
+        if group and not (len(group) <= MAX_NAME and group.isprintable()):
+            group = safe_text(group, MAX_NAME)  # else already safe: as it is
+        rs = self.rank_state(rank, group or None)
         if rs is None:
             raise ProtocolError(f"frame for rank {rank} before its hello")
         if peer is not None and rs is not peer:
@@ -715,39 +749,27 @@ class RunState:
     def on_batch(self, rs: RankState, p: dict[str, Any], t_hub: float,
                  history: bool = True) -> None:
         """Records from a rank (all of it checked before anything is stored)."""
-        steps = check_rows("steps", p.get("steps") or [])
-        gpu = check_rows("gpu", p.get("gpu") or [])
-        host = check_rows("host", p.get("host") or [])
-        mem = check_rows("mem", p.get("mem") or [])
-        hbs = check_rows("hb", p.get("hb") or [])
-        events = check_rows("events", p.get("events") or [])
-        meta = clean_meta(p["meta"]) if p.get("meta") is not None else None
+        get = p.get
+        # a table absent or empty has no rows to check
+        steps = check_rows("steps", x) if (x := get("steps")) else []
+        gpu = check_rows("gpu", x) if (x := get("gpu")) else []
+        host = check_rows("host", x) if (x := get("host")) else []
+        mem = check_rows("mem", x) if (x := get("mem")) else []
+        hbs = check_rows("hb", x) if (x := get("hb")) else []
+        events = check_rows("events", x) if (x := get("events")) else []
+        meta = clean_meta(p["meta"]) if get("meta") is not None else None
         if meta is not None:
             p["meta"] = meta
             grown = len(rs.meta.keys() | meta.keys())
             if grown > MAX_ENTRIES:
                 raise ProtocolError(f"meta would hold {grown} entries (at most "
                                     f"{MAX_ENTRIES})")
-        dropped = check_count("batch: 'dropped'", p.get("dropped"))
-        cpu = check_number("batch: 'cpu_s'", p.get("cpu_s"))
+        dropped = check_count("batch: 'dropped'", get("dropped"))
+        cpu = check_number("batch: 'cpu_s'", get("cpu_s"))
         slot = rs.slot
-        if slot is not None and history:
-            for row in steps:
-                self.steps.append(slot, [_NAN if (v := row[j]) is None else v
-                                         for j in _STEP_PICK])
-                split = step_split(row)
-                if split is not None:
-                    if rs.collectives is None:
-                        rs.collectives = CollectiveWindow()
-                    rs.collectives.add(split)
-                by_group = row[_S_GROUPS]
-                if by_group:
-                    if rs.groups is None:
-                        rs.groups = CollectiveWindow(most=MAX_GROUP_OPS)
-                    rs.groups.add({f"{g}{GROUP_SEP}{op}": figures
-                                   for g, ops in by_group.items()
-                                   for op, figures in ops.items()})
         if steps:
+            if slot is not None and history:
+                self._steps(rs, slot, steps)
             if rs.warm_wall is None:
                 self._warm_up(rs, steps)
             rs.steps_seen += len(steps)
@@ -762,17 +784,19 @@ class RunState:
                 rs.host = host[-1]
             if mem:
                 rs.mem = mem[-1]
-                dev = mem[-1][_MEM["device"]]
+                dev = mem[-1][_M_DEVICE]
                 rs.mem_device = dev if isinstance(dev, str) else None
             if slot is not None:
                 self._samples(slot, gpu, host, mem, history)
-        for hb in hbs:
-            rs.hb = hb
-            if hb[_HB["stack"]]:
-                rs.stack, rs.stack_t = hb[_HB["stack"]], t_hub
-        if hbs and slot is not None:
-            self.latest[slot, -1] = _num(hbs[-1][_HB["phase_s"]])
-        rs.events.extend(events)
+        if hbs:
+            for hb in hbs:
+                if hb[_HB_STACK]:
+                    rs.stack, rs.stack_t = hb[_HB_STACK], t_hub
+            rs.hb = hbs[-1]
+            if slot is not None:
+                self.latest[slot, -1] = _num(hbs[-1][_HB_PHASE_S])
+        if events:
+            rs.events.extend(events)
         if meta is not None:
             rs.meta.update(meta)
             self.meta_version += 1
@@ -790,6 +814,31 @@ class RunState:
             rs.status, rs.lost_at, rs.lost_how = "active", None, None
         rs.connected = True
 
+    def _steps(self, rs: RankState, slot: int, steps: list[list[Any]]) -> None:
+        """Checked step rows into the rank's windows: its step window, and its figures
+        by collective and by process group."""
+        append = self.steps.append
+        for row in steps:
+            append(slot, _STEP_VALUES(row))
+            split = row[_S_COLL]
+            if split is not None:
+                if rs.collectives is None:
+                    rs.collectives = CollectiveWindow()
+                rs.collectives.add(split)
+            else:  # all allreduces (see step_split): the step's own comm figures
+                calls = row[_S_CALLS]
+                if isinstance(calls, int) and calls > 0:
+                    if rs.collectives is None:
+                        rs.collectives = CollectiveWindow()
+                    rs.collectives.add_one("all_reduce", _COMM_VALUES(row))
+            by_group = row[_S_GROUPS]
+            if by_group:
+                if rs.groups is None:
+                    rs.groups = CollectiveWindow(most=MAX_GROUP_OPS)
+                rs.groups.add({f"{g}{GROUP_SEP}{op}": figures
+                               for g, ops in by_group.items()
+                               for op, figures in ops.items()})
+
     @staticmethod
     def _warm_up(rs: RankState, steps: list[list[Any]]) -> None:
         """Note when the rank warmed up, if one of these steps is where it did."""
@@ -806,26 +855,29 @@ class RunState:
 
     def _samples(self, slot: int, gpu: list[list[Any]], host: list[list[Any]],
                  mem: list[list[Any]], history: bool = True) -> None:
-        latest = self.latest[slot]
-        n_gpu, n_host = len(GPU_FIELDS) - 1, len(HOST_FIELDS) - 1
-        if gpu:
-            latest[:n_gpu] = [_NAN if v is None else v for v in gpu[-1][1:]]
-        if host:
-            latest[n_gpu:n_gpu + n_host] = [_NAN if v is None else v for v in host[-1][1:]]
-        if mem:
-            latest[n_gpu + n_host:-1] = [_NAN if v is None else v for v in mem[-1][2:]]
+        latest = self.latest[slot]  # None is NaN in a float array
+        if gpu and host and mem:  # the usual: one store
+            latest[:-1] = gpu[-1][1:] + host[-1][1:] + mem[-1][2:]
+        else:
+            if gpu:
+                latest[:_N_GPU] = gpu[-1][1:]
+            if host:
+                latest[_N_GPU:_N_GPU + _N_HOST] = host[-1][1:]
+            if mem:
+                latest[_N_GPU + _N_HOST:-1] = mem[-1][2:]
         if not history:
             return
-        for i in range(max(len(gpu), len(host), len(mem))):
-            g = gpu[i] if i < len(gpu) else None
-            h = host[i] if i < len(host) else None
-            m = mem[i] if i < len(mem) else None
+        append = self.samples.append
+        n_gpu, n_host, n_mem = len(gpu), len(host), len(mem)
+        for i in range(max(n_gpu, n_host, n_mem)):
+            g = gpu[i] if i < n_gpu else None
+            h = host[i] if i < n_host else None
+            m = mem[i] if i < n_mem else None
             src = g or h or m
-            row = [_num(src[0]) if src else _NAN]
-            row += [_num(g[j]) for j in _GPU_HIST] if g else [_NAN] * len(_GPU_HIST)
-            row += [_num(h[j]) for j in _HOST_HIST] if h else [_NAN] * len(_HOST_HIST)
-            row += [_num(m[j]) for j in _MEM_HIST] if m else [_NAN] * len(_MEM_HIST)
-            self.samples.append(slot, row)
+            append(slot, ((src[0] if src else None),
+                          *(_GPU_VALUES(g) if g else _NO_GPU),
+                          *(_HOST_VALUES(h) if h else _NO_HOST),
+                          *(_MEM_VALUES(m) if m else _NO_MEM)))
 
     def on_disconnect(self, rs: RankState, t_hub: float, how: str = "closed") -> None:
         """The rank's connection closed (``how``: "reset", "eof" or "closed", see

@@ -29,6 +29,7 @@ and spool ingestion on a spool's header.
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any, Final, cast
 
 from collectors.identity import Identity
@@ -260,46 +261,76 @@ def clean_groups(where: str, x: Any) -> dict[str, dict[str, list[float | int | N
     return out
 
 
+#: Per table, what :func:`check_rows` needs of it: its fields, its width, the width of
+#: its oldest rows (before its ``ADDED_FIELDS``), its string fields (index, limit,
+#: multiline, keep_end), the indices of its ``collectives`` and ``groups`` fields, and
+#: the indices that hold no number.
+_ROWS: Final = {
+    name: (fields, len(fields), len(fields) - len(ADDED_FIELDS.get(name, ())),
+           tuple((j, *cast(_StrSpec, kinds[j])) for j in sorted(_STRINGS[name])),
+           tuple(sorted(_MAPS[name])), tuple(sorted(_GROUP_MAPS[name])),
+           _STRINGS[name] | _MAPS[name] | _GROUP_MAPS[name])
+    for name, (fields, kinds) in _TABLES.items()}
+#: Per table, its number fields' values of a row (None: all its fields are numbers).
+_NUMBERS: Final = {
+    name: None if not other else itemgetter(*(j for j in range(full) if j not in other))
+    for name, (_, full, _, _, _, _, other) in _ROWS.items()}
+
+
 def check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any]]:
     """Rows of a table (``collectors.schema``), each as long as the table (``width``,
     if given, must say so), numbers where numbers belong (a non-finite one becomes
     None) and strings made safe, in place; rows from an older collector, shorter by the
     table's ``ADDED_FIELDS``, are padded with None (not measured). Raises
     :class:`ProtocolError` saying what is wrong."""
-    fields, kinds = _TABLES[name]
-    assert width is None or width == len(fields), (name, width)
-    width = len(fields)
-    oldest = width - len(ADDED_FIELDS.get(name, ()))
+    fields, full, oldest, strings, splits, groups, other = _ROWS[name]
+    numbers = _NUMBERS[name]
+    assert width is None or width == full, (name, width)
     if not isinstance(rows, list):
         raise ProtocolError(f"'{name}' must be a list of rows, got {described(rows)}")
     if len(rows) > MAX_ROWS:
         raise ProtocolError(f"'{name}' has {len(rows)} rows in one batch (at most "
                             f"{MAX_ROWS})")
-    strings = _STRINGS[name]
-    maps = _MAPS[name] | _GROUP_MAPS[name]
     for i, r in enumerate(rows):
-        if type(r) is not list or not oldest <= len(r) <= width:
+        if type(r) is not list or not oldest <= len(r) <= full:
             n = len(r) if type(r) is list else described(r)
             raise ProtocolError(f"malformed '{name}' rows: row {i} is not a list of "
-                                f"{width} values (got {n})")
-        if len(r) < width:
-            r.extend([None] * (width - len(r)))
-        for j, v in enumerate(r):
+                                f"{full} values (got {n})")
+        if len(r) < full:
+            r.extend([None] * (full - len(r)))
+        # first a look at the number fields alone: nothing to change or refuse (the
+        # usual), nothing more to do for them; else value by value
+        plain = True
+        for v in r if numbers is None else numbers(r):
             t = type(v)
             if t is float:
-                if not -MAX_MAGNITUDE <= v <= MAX_MAGNITUDE:  # inf, nan, absurd: not measured
-                    r[j] = None
-            elif t is not int and v is not None and j not in strings and j not in maps:
-                raise ProtocolError(f"'{name}' row {i}: '{fields[j]}' must be a number, "
-                                    f"got {described(v)}")
-        for j in _MAPS[name]:
-            r[j] = clean_split(f"'{name}' row {i}: '{fields[j]}'", r[j])
-        for j in _GROUP_MAPS[name]:
-            r[j] = clean_groups(f"'{name}' row {i}: '{fields[j]}'", r[j])
-        for j in strings:
+                if not -MAX_MAGNITUDE <= v <= MAX_MAGNITUDE:
+                    plain = False
+                    break
+            elif t is not int and v is not None:
+                plain = False
+                break
+        if not plain:
+            for j, v in enumerate(r):
+                t = type(v)
+                if t is float:
+                    if not -MAX_MAGNITUDE <= v <= MAX_MAGNITUDE:  # inf, nan, absurd:
+                        r[j] = None  # not measured
+                elif t is not int and v is not None and j not in other:
+                    raise ProtocolError(f"'{name}' row {i}: '{fields[j]}' must be a "
+                                        f"number, got {described(v)}")
+        for j in splits:  # None (not split) stays None
+            if r[j] is not None:
+                r[j] = clean_split(f"'{name}' row {i}: '{fields[j]}'", r[j])
+        for j in groups:
+            if r[j] is not None:
+                r[j] = clean_groups(f"'{name}' row {i}: '{fields[j]}'", r[j])
+        for j, limit, multiline, keep_end in strings:
             v = r[j]
-            if v is not None:
-                limit, multiline, keep_end = cast(_StrSpec, kinds[j])
+            # a string already safe (short enough, nothing to replace) stays as it is,
+            # as safe_text would leave it
+            if v is not None and not (type(v) is str and len(v) <= limit
+                                      and v.isprintable()):
                 r[j] = check_text(f"'{name}' row {i}: '{fields[j]}'", v, limit,
-                             multiline=multiline, keep_end=keep_end)
+                                  multiline=multiline, keep_end=keep_end)
     return rows
