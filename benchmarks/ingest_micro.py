@@ -69,8 +69,8 @@ def relay_frame(pairs: list[Any]) -> bytes:
     return wire.encode(wire.KIND_RELAY, {"data": pairs})
 
 
-async def through_hub(ranks: int, rounds: int, per_frame: int, profile: str | None
-                      ) -> dict[str, float]:
+async def through_hub(ranks: int, rounds: int, per_frame: int, profile: str | None,
+                      warmup: int = 0) -> dict[str, float]:
     """Rank batches fed through a hub's relay connections: CPU us per rank batch."""
     hub = Hub(HubConfig(record=""))
     group = f"{hub_scale.JOB}-g0"
@@ -104,11 +104,18 @@ async def through_hub(ranks: int, rounds: int, per_frame: int, profile: str | No
                         for s in range(per_node)])
         await asyncio.sleep(0)
     # rounds of frames, built before the clock starts: in each, every relay sends one
-    # frame of ``per_frame`` of its ranks' batches (its ranks take turns)
+    # frame of ``per_frame`` of its ranks' batches (its ranks take turns); the first
+    # ``warmup`` rounds untimed (a rank's first steps cost more: its warm-up is noted)
     frames: list[list[bytes]] = []
     turn = 0
     batches = 0
-    for _ in range(rounds):
+    for k in range(warmup + rounds):
+        if k == warmup:
+            for one in frames:
+                for rc, data in zip(relays, one, strict=True):
+                    rc.data_received(data)
+                await asyncio.sleep(0)
+            frames, batches = [], 0
         one = []
         for streams_of in streams:
             pairs: list[Any] = []
@@ -168,6 +175,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--per-frame", type=int, default=4,
                     help="rank batches per relay frame (8 ranks, 2 batches/s, 0.25 s)")
+    ap.add_argument("--warmup", type=int, default=48,
+                    help="rounds sent before the timed ones (each rank past its warm-up)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile", help="write a cProfile of the first run here")
     args = ap.parse_args()
@@ -175,7 +184,7 @@ def main() -> None:
     hub_runs = []
     for i in range(args.repeat):
         r = asyncio.run(through_hub(args.ranks, args.rounds, args.per_frame,
-                                    args.profile if i == 0 else None))
+                                    args.profile if i == 0 else None, args.warmup))
         hub_runs.append(r["us_per_batch"])
     plain, samples = zip(*(apply_alone() for _ in range(args.repeat)), strict=True)
     print(f"through the hub ({args.ranks} ranks via relays, {args.per_frame} batches a "

@@ -106,7 +106,8 @@ class Rings:
         self._counters = self._bases = None
 
     def append(self, slot: int, row: Sequence[float | None]) -> None:
-        """Append one row (``len(fields)`` numbers; None or NaN for missing)."""
+        """Append one row (``len(fields)`` numbers; None or NaN for missing). A list's
+        ``t_wall`` is made relative to the slot's base in place."""
         t_at = self._t
         if t_at is not None:
             t = row[t_at]
@@ -115,7 +116,8 @@ class Rings:
                 if math.isnan(base):
                     self._base[slot] = base = float(t)
                     self._bases = None
-                row = list(row)
+                if type(row) is not list:
+                    row = list(row)
                 row[t_at] = t - base
         p = self._pos[slot]
         self._rows[slot][p] = row  # None is NaN in a float array

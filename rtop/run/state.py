@@ -240,7 +240,7 @@ class CollectiveWindow:
             entry = self.rings[op] = [array("d", [_NAN]) * (self.keep * _WIDTH), 0, 0]
         at = entry[1]
         # figures are checked to be COLLECTIVE_FIGURES long (validate.clean_split)
-        entry[0][at * _WIDTH:(at + 1) * _WIDTH] = array("d", figures) \
+        entry[0][at * _WIDTH:(at + 1) * _WIDTH] = array("d", cast(Sequence[float], figures)) \
             if None not in figures else array("d", [_NAN if v is None else v
                                                     for v in figures])
         entry[1] = at + 1 if at + 1 < self.keep else 0
@@ -819,7 +819,7 @@ class RunState:
         by collective and by process group."""
         append = self.steps.append
         for row in steps:
-            append(slot, _STEP_VALUES(row))
+            append(slot, [*_STEP_VALUES(row)])
             split = row[_S_COLL]
             if split is not None:
                 if rs.collectives is None:
@@ -874,10 +874,10 @@ class RunState:
             h = host[i] if i < n_host else None
             m = mem[i] if i < n_mem else None
             src = g or h or m
-            append(slot, ((src[0] if src else None),
+            append(slot, [src[0] if src else None,
                           *(_GPU_VALUES(g) if g else _NO_GPU),
                           *(_HOST_VALUES(h) if h else _NO_HOST),
-                          *(_MEM_VALUES(m) if m else _NO_MEM)))
+                          *(_MEM_VALUES(m) if m else _NO_MEM)])
 
     def on_disconnect(self, rs: RankState, t_hub: float, how: str = "closed") -> None:
         """The rank's connection closed (``how``: "reset", "eof" or "closed", see
