@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -485,10 +486,15 @@ def gpu_throttled(ctx: Context) -> Finding | None:
         lat["gpu_clock_event_reasons"]
     reasons_of: dict[int, list[str]] = {}
     throttling = np.zeros(w.n, dtype=bool)
-    for i in np.flatnonzero(w.active & ~np.isnan(mask)).tolist():
-        rs = [r for r in decode_reasons(int(mask[i])) if r in THROTTLE_REASONS]
+    # each distinct mask decoded once (thousands of GPUs share a few)
+    decoded: dict[int, list[str]] = {}
+    for i in np.flatnonzero(w.active & ~np.isnan(mask) & (mask != 0)).tolist():
+        m = int(mask[i])
+        rs = decoded.get(m)
+        if rs is None:
+            rs = decoded[m] = [r for r in decode_reasons(m) if r in THROTTLE_REASONS]
         if rs:
-            reasons_of[i] = rs
+            reasons_of[i] = list(rs)
             throttling[i] = True
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = clock / mx
@@ -726,14 +732,17 @@ def memory_wall(ctx: Context) -> Finding | None:
 
 # ---- checkpoints --------------------------------------------------------------------------
 
+_EVENTS = attrgetter("events")
+
+
 def checkpoint_interval(ctx: Context) -> Finding | None:
     """The run's checkpoint interval against Young/Daly's optimum sqrt(2 C MTBF)."""
     w, cfg = ctx.w, ctx.cfg
     best: list[list[Any]] = []
-    for r in w.ranks:
-        if len(r.events) < 2:
-            continue
-        cps = [e for e in r.events if len(e) >= 3 and e[1] == "checkpoint"
+    events = list(map(_EVENTS, w.ranks))
+    for i in np.flatnonzero(np.fromiter(map(len, events), dtype=np.int64,
+                                        count=len(events)) >= 2).tolist():
+        cps = [e for e in events[i] if len(e) >= 3 and e[1] == "checkpoint"
                and isinstance(e[0], (int, float)) and isinstance(e[2], (int, float))]
         if len(cps) > len(best):
             best = cps

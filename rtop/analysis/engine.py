@@ -24,7 +24,7 @@ from rtop.analysis import throughput
 from rtop.analysis.config import AnalysisConfig
 from rtop.analysis.hiccups import HiccupCounter
 from rtop.analysis.kinds import KINDS, SEVERITY_ORDER
-from rtop.analysis.window import TrendCache, take
+from rtop.analysis.window import Taking, TrendCache, take
 from rtop.run.snapshot import EpisodeDict, FindingDict, Overview, Scaling, Severity
 from rtop.run.state import RunState
 
@@ -62,7 +62,8 @@ def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] |
              now: float | None = None, overview: Overview | None = None,
              errors: DetectorErrors | None = None,
              cache: TrendCache | None = None,
-             hiccups: HiccupCounter | None = None) -> list[d.Finding]:
+             hiccups: HiccupCounter | None = None,
+             taking: Taking | None = None) -> list[d.Finding]:
     """Every finding whose condition holds now (no onset/clear).
 
     ``overview``, when given, is filled with what a viewer shows whether or not anything
@@ -71,9 +72,12 @@ def evaluate(state: RunState, cfg: AnalysisConfig, active: dict[str, set[int]] |
     tokens/s, model TFLOPS and MFU: ``rtop.analysis.throughput``). A detector that raises costs its
     own finding only (counted and logged once in ``errors``). ``hiccups``, when given,
     counts the steps where a rank stood out but not for long enough to be named.
+    ``taking``: the window, begun earlier and read a share of the ranks at a time (its
+    time is the evaluation's: :meth:`Analyzer.begin`).
     """
     run = (errors or ERRORS).run
-    w = run("window", take, state, cfg, now, cache, default=None)
+    w = (run("window", take, state, cfg, now, cache, default=None) if taking is None
+         else run("window", taking.window, default=None))
     if w is None or w.n == 0:
         return []
     ctx = d.Context(w, cfg, active or {}, links=state.links)
@@ -171,13 +175,20 @@ class Analyzer:
         #: each rank's transient steps (stood out, not for long enough to be named)
         self.hiccups = HiccupCounter()
 
-    def update(self, state: RunState, now: float | None = None) -> list[EpisodeDict]:
-        """Evaluate once; return the active findings, worst first."""
-        t = state.now if now is None else now
+    def begin(self, state: RunState, now: float | None = None) -> Taking:
+        """An evaluation as of ``now`` begun: its window, to read a share of the ranks at
+        a time (``Taking.step``) and to give to :meth:`update` once read."""
+        return Taking(state, self.cfg, now, self.cache)
+
+    def update(self, state: RunState, now: float | None = None,
+               taking: Taking | None = None) -> list[EpisodeDict]:
+        """Evaluate once; return the active findings, worst first. ``taking``: the
+        evaluation's window, begun by :meth:`begin` (its time is the evaluation's)."""
+        t = (state.now if now is None else now) if taking is None else taking.t
         t0 = time.perf_counter()
         overview: Overview = {}
         found = evaluate(state, self.cfg, {k: ep.ranks for k, ep in self.active.items()}, t,
-                         overview, self.errors, self.cache, self.hiccups)
+                         overview, self.errors, self.cache, self.hiccups, taking)
         self.overview = overview
         self.last_eval_s = time.perf_counter() - t0
         seen = set()

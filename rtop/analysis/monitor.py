@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -34,8 +35,24 @@ from rtop.run.snapshot import (
 )
 from rtop.run.state import JobExit, RankState, RunState
 
-#: Seconds of the hub's time between two evaluations of the diagnosis.
+#: Seconds of the hub's time between two evaluations of the diagnosis (at least: see
+#: :data:`EVAL_SHARE`).
 EVAL_EVERY_S: Final = window.EVAL_EVERY_S
+#: The share of a core the live hub's diagnosis may take on average: where one
+#: evaluation costs more than this share of :data:`EVAL_EVERY_S` (thousands of ranks),
+#: the next comes later, its interval this evaluation's CPU time over the share
+#: (smoothed: ``Monitor.advance(share=...)``), up to :data:`EVAL_MOST_EVERY_S`. At 1,024
+#: ranks an evaluation costs ~10-20 ms and the interval stays 0.5 s; at 16,384 it is
+#: about 1-2 s.
+EVAL_SHARE: Final = 0.10
+#: The longest the diagnosis waits between two evaluations, however dear they are.
+EVAL_MOST_EVERY_S: Final = 5.0
+#: With a share given (the live hub), a window of more ranks than this is read this many
+#: ranks at a call of ``Monitor.advance`` (one a housekeeping pass, every 0.25 s), then
+#: the long memory fit, then the detectors, a call each: no call stalls the hub's loop
+#: for the whole evaluation (at 16,384 ranks, 6 calls of ~20-60 ms in place of one of
+#: ~160 ms).
+EVAL_PART_RANKS: Final = 4096
 
 log = logging.getLogger("rtop.analysis")
 
@@ -65,6 +82,16 @@ class Monitor:
         self.state = state if state is not None else RunState()
         self.analyzer = Analyzer(config) if diagnose else None
         self._next_eval = -math.inf
+        #: seconds between two evaluations of the diagnosis (:data:`EVAL_EVERY_S`, more
+        #: where they cost more than their share: ``advance(share=...)``)
+        self.eval_every_s = EVAL_EVERY_S
+        self._next_diagnosis = -math.inf
+        self._cost_s: float | None = None  # an evaluation's CPU time, smoothed
+        #: an evaluation under way, read a share of the ranks at a call (with a share)
+        self._taking: window.Taking | None = None
+        self._taking_cpu = 0.0  # the CPU time it took so far
+        #: ranks read at a call when a window is read in parts (:data:`EVAL_PART_RANKS`)
+        self.part_ranks = EVAL_PART_RANKS
         self._findings: list[EpisodeDict] = []
         self.failures = 0  # evaluations that failed as a whole (logged once)
         self._withdrawn_for: JobExit | None = None  # the job exit already acted on
@@ -78,37 +105,110 @@ class Monitor:
         ``peer``: the rank the frame's connection speaks for (see ``RunState.apply``)."""
         return self.state.apply(frame, t_hub, history, peer=peer)
 
-    def advance(self, t: float, *, force: bool = False, diagnose: bool = True
-                ) -> Evaluation | None:
+    def advance(self, t: float, *, force: bool = False, diagnose: bool = True,
+                share: float | None = None) -> Evaluation | None:
         """Time has come to ``t``: when an evaluation is due (every
         :data:`EVAL_EVERY_S`, or ``force``), mark silent ranks lost and run the
         diagnosis (unless ``diagnose`` is False); returns what changed, or None when
         nothing was due (or ``t`` is no time: inf, nan). Never raises: a detector that
         fails costs its own finding (``Analyzer.errors``), anything else this one
         evaluation (both logged once).
+
+        ``share`` (the live hub's: :data:`EVAL_SHARE`): the share of a core the
+        diagnosis may take on average. The diagnosis then runs every
+        :attr:`eval_every_s`: :data:`EVAL_EVERY_S` while an evaluation costs less than
+        ``share`` of it, else as long as its CPU time (smoothed) over ``share``, at most
+        :data:`EVAL_MOST_EVERY_S`; silent ranks are still marked lost every
+        :data:`EVAL_EVERY_S`. Without it (a replay, a report: their time is not the
+        hub's) every evaluation diagnoses. With it, the window of more than
+        :attr:`part_ranks` ranks is read that many at a call, the long memory fit at
+        the next, the findings come at the call after that (each call does a part, due
+        or not; the evaluation's time is when it began).
         """
         if not math.isfinite(t):
             return None
+        if self._taking is not None:
+            if force or share is None or not diagnose:
+                self._taking = None  # one whole evaluation now instead
+            else:
+                done = self._go_on(self._taking, share)
+                if done is not None:
+                    return done
         if not force and self._next_eval - EVAL_EVERY_S <= t < self._next_eval:
             return None  # not due yet (a clock that went backwards is due at once)
         self._next_eval = t + EVAL_EVERY_S
         out = Evaluation(t, lost=self.state.tick(t))
-        if self.analyzer is None or not diagnose:
+        if self.analyzer is None or not diagnose or self._taking is not None:
             return out
+        if not force and share is not None and \
+                self._next_diagnosis - self.eval_every_s <= t < self._next_diagnosis:
+            return out  # the diagnosis is not due yet: it costs more than its share
+        cpu = time.thread_time()
+        if not force and share is not None and len(self.state.active_ranks()) > \
+                self.part_ranks:
+            try:  # thousands of ranks: the first part now, the others at the next calls
+                self._taking = self.analyzer.begin(self.state, t)
+                self._taking.step(self.part_ranks)
+            except Exception:
+                self._taking = None
+                self._failed()
+            self._taking_cpu = time.thread_time() - cpu
+            return out
+        return self._diagnose(out, None, share, cpu)
+
+    def _go_on(self, taking: window.Taking, share: float) -> Evaluation | None:
+        """The next part of the evaluation under way: the next ranks' windows, or, once
+        all are read, its findings (the evaluation, returned)."""
+        cpu = time.thread_time()
+        if not taking.complete:
+            try:
+                taking.step(self.part_ranks)
+            except Exception:
+                self._taking = None
+                self._failed()
+            self._taking_cpu += time.thread_time() - cpu
+            return None
+        self._taking = None
+        return self._diagnose(Evaluation(taking.t), taking, share, cpu - self._taking_cpu)
+
+    def _diagnose(self, out: Evaluation, taking: window.Taking | None, share: float | None,
+                  cpu: float) -> Evaluation:
+        """Run the diagnosis as of ``out.t`` (on ``taking``'s window when given) and say
+        in ``out`` what it changed; ``cpu``: the thread's CPU time when it began (for
+        the pace, with a ``share``)."""
+        assert self.analyzer is not None
         before = set(self.analyzer.active)
         try:
-            self._findings = self.analyzer.update(self.state, t)
+            self._findings = self.analyzer.update(self.state, out.t, taking)
             out.withdrawn = self._withdraw_ended()
         except Exception:
-            self.failures += 1
-            if self.failures == 1:
-                log.exception("rtop: the diagnosis failed; the findings stay as they were "
-                              "until it works again (logged once)")
+            self._failed()
             return out
+        finally:
+            if share is not None:
+                self._pace(time.thread_time() - cpu, share, out.t)
         out.started = [f for f in self._findings if f["kind"] not in before]
         out.cleared = [kind for kind in before if kind not in self.analyzer.active
                        and kind not in out.withdrawn]
         return out
+
+    def _failed(self) -> None:
+        """An evaluation failed as a whole: counted, logged once."""
+        self.failures += 1
+        if self.failures == 1:
+            log.exception("rtop: the diagnosis failed; the findings stay as they were "
+                          "until it works again (logged once)")
+
+    def _pace(self, cost_s: float, share: float, t: float) -> None:
+        """The next diagnosis' time, after one that took ``cost_s`` of CPU at ``t``
+        (see :meth:`advance`): the cost smoothed (a dear evaluation counts at once, a
+        cheap one a quarter), so that the interval follows a larger job within one
+        evaluation and does not flap with the noise of each."""
+        was = self._cost_s
+        self._cost_s = cost_s if was is None or cost_s > was else was + 0.25 * (cost_s - was)
+        every = min(EVAL_MOST_EVERY_S, max(EVAL_EVERY_S, self._cost_s / max(share, 1e-9)))
+        self.eval_every_s = every
+        self._next_diagnosis = t + every
 
     def _withdraw_ended(self) -> list[str]:
         """Once per job exit: withdraw the ``lost_rank`` finding that only ranks the

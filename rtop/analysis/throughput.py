@@ -76,24 +76,29 @@ def _sum(values: np.ndarray, mask: np.ndarray) -> float | None:
 def job_throughput(step_s: np.ndarray, samples: np.ndarray, tokens: np.ndarray,
                    flops: np.ndarray, gpus: Sequence[str | None],
                    metas: Sequence[dict[str, Any]], counted: np.ndarray,
-                   active: np.ndarray) -> Throughput:
+                   active: np.ndarray, said: Sequence[str | None] | None = None
+                   ) -> Throughput:
     """The job's throughput over its active ranks (module doc); arrays of one entry per
-    rank, NaN where not measured."""
+    rank, NaN where not measured (``said``: :func:`said_dtype` of each of ``metas``,
+    when the caller has them)."""
     with np.errstate(invalid="ignore", divide="ignore"):
         timed = active & (step_s > 0)
         samples_s = samples / step_s
         tokens_s = tokens / step_s
         flops_s = flops / step_s
-    said = [said_dtype(m) for m in metas]
+    if said is None:
+        said = [said_dtype(m) for m in metas]
     dtypes = [d or DEFAULT_DTYPE for d in said]
-    peaks = np.array([peak_flops(g, d) or np.nan for g, d in zip(gpus, dtypes, strict=True)],
-                     dtype=np.float64)
+    known: dict[tuple[str | None, str], float] = {}  # each GPU and precision looked up once
+    peaks = np.array([known[gd] if (gd := (g, d)) in known else known.setdefault(
+        gd, peak_flops(g, d) or np.nan) for g, d in zip(gpus, dtypes, strict=True)],
+        dtype=np.float64)
     with_flops = timed & ~np.isnan(flops_s)
     both = with_flops & ~np.isnan(peaks)
     model_fps = _sum(flops_s, with_flops)
     peak_sum = _sum(peaks, both)
     mfu = float(flops_s[both].sum() / peak_sum) if both.any() and peak_sum else None
-    gpu_names = [g for g, t in zip(gpus, timed, strict=True) if g and t]
+    gpu_names = [g for g, t in zip(gpus, timed.tolist(), strict=True) if g and t]
     common = Counter(gpu_names).most_common(1)[0][0] if gpu_names else None
     why = None
     if mfu is None:
@@ -106,7 +111,8 @@ def job_throughput(step_s: np.ndarray, samples: np.ndarray, tokens: np.ndarray,
             why = f"{common}: not in rtop's table of GPU peaks"
         else:
             why = f"{common} has no {dtypes[0]} peak"
-    used = [d for d, b in zip(dtypes, both, strict=True) if b] or dtypes[:1]
+    both_list = both.tolist()
+    used = [d for d, b in zip(dtypes, both_list, strict=True) if b] or dtypes[:1]
     dtype = Counter(used).most_common(1)[0][0] if used else None
     return Throughput(
         samples_per_s=_sum(samples_s, timed & counted),
@@ -115,7 +121,7 @@ def job_throughput(step_s: np.ndarray, samples: np.ndarray, tokens: np.ndarray,
         model_flops_per_s=model_fps, peak_flops_per_s=peak_sum if both.any() else None,
         mfu=mfu, dtype=dtype if both.any() else None,
         dtype_assumed=bool(both.any()) and not any(
-            s for s, b in zip(said, both, strict=True) if b),
+            s for s, b in zip(said, both_list, strict=True) if b),
         gpu=gpu_model(common) or common, why_no_mfu=why)
 
 
@@ -124,4 +130,4 @@ def of_window(w: Window) -> Throughput:
     counted = w.counted if w.counted is not None else np.ones(w.n, dtype=bool)
     return job_throughput(w.steps["step_s"], w.steps["samples"], w.steps["tokens"],
                           w.steps["flops"], w.gpu_name, [r.meta for r in w.ranks], counted,
-                          w.active)
+                          w.active, w.said_dtype)

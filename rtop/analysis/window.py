@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from operator import attrgetter, is_
+from typing import Any, TypeGuard
 
 import numpy as np
 
 from collectors.figures import figures
+from collectors.schema import HEARTBEAT_FIELDS
 from rtop.analysis import roles
 from rtop.analysis.config import AnalysisConfig
 from rtop.run.ring import nanmedian_rows
@@ -70,6 +72,9 @@ class Window:
     peer_class: np.ndarray | None = None
     #: per rank, whether its samples count in the job's throughput (one per replica)
     counted: np.ndarray | None = None
+    #: per rank, the precision its meta says its FLOPs are in (``throughput.said_dtype``;
+    #: None: not read, the throughput reads it)
+    said_dtype: list[str | None] | None = None
 
     @property
     def classes(self) -> np.ndarray | None:
@@ -105,13 +110,22 @@ class Window:
         return out
 
 
+def _warm_walls(ranks: list[RankState]) -> np.ndarray:
+    """Each rank's ``warm_wall`` (NaN where it has not warmed up)."""
+    return np.array(list(map(_WARM, ranks)), dtype=np.float64)  # None is NaN
+
+
+_WARM = attrgetter("warm_wall")
+
+
 def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
-                    cfg: AnalysisConfig
+                    cfg: AnalysisConfig, warm_wall: np.ndarray | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Medians over each rank's steps of the last ``recent_s`` seconds (at least
     ``recent_min_steps``, at most ``recent_max_steps``), their count, step rate, the
     figures of each of those steps (``(n, k, figures)`` in ``_STEP_FIGURES``' order,
-    NaN where dropped) and their end times (``(n, k)``)."""
+    NaN where dropped) and their end times (``(n, k)``). ``warm_wall``: the ranks'
+    (:func:`_warm_walls`), when the caller has them."""
     rings = state.steps
     k = cfg.recent_max_steps
     names = ["t_wall", *_STEP_FIGURES]
@@ -124,7 +138,7 @@ def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
     drop = old & ~keep_always[None, :]
     # a rank's warm-up steps are no measure of it (NaN until it has warmed up)
     base = rings.bases(slots)  # the ring stores t_wall relative to each slot's base
-    warm = np.array([np.nan if rs.warm_wall is None else rs.warm_wall for rs in ranks]) - base
+    warm = (_warm_walls(ranks) if warm_wall is None else warm_wall) - base
     drop |= ~(t >= warm[:, None])
     last[drop] = np.nan
     med = nanmedian_rows(last)
@@ -139,16 +153,18 @@ def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
 
 
 def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, cfg: AnalysisConfig,
-               n_samples: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               n_samples: int | None = None, warm_wall: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Least-squares growth of device memory used over the last ``n_samples`` samples
-    (default ``mem_trend_samples``), per rank."""
+    (default ``mem_trend_samples``), per rank (``warm_wall``: the ranks', when the caller
+    has them)."""
     n_samples = n_samples or cfg.mem_trend_samples
     last = state.samples.last(slots, n_samples, ["t_wall", "mem_used_bytes"]
                               ).astype(np.float64)
     t, y = last[:, :, 0], last[:, :, 1]
     # only samples after the rank warmed up (NaN until then: no trend yet)
     base = state.samples.bases(slots)  # the ring stores t_wall relative to each slot's base
-    warm = np.array([np.nan if rs.warm_wall is None else rs.warm_wall for rs in ranks]) - base
+    warm = (_warm_walls(ranks) if warm_wall is None else warm_wall) - base
     ok = ~(np.isnan(t) | np.isnan(y)) & (t >= warm[:, None])
     cnt = ok.sum(axis=1)
     tt = np.where(ok, t, 0.0)
@@ -179,110 +195,269 @@ def _mem_trend(state: RunState, ranks: list[RankState], slots: np.ndarray, cfg: 
     return slope, slope * span, r2
 
 
+class Members:
+    """What a window needs of the ranks that changes only when they do: their order
+    (by rank), numbers and nodes, and what their meta says (their GPUs); kept by the
+    analyzer between evaluations (:attr:`TrendCache.members`), so that an evaluation
+    reads only what moves (status, last seen, phase) rank by rank."""
+
+    def __init__(self, ranks: list[RankState]) -> None:
+        self.given = ranks  # as the state listed them: compared by identity
+        self.ranks = sorted(ranks, key=_RANK)
+        self.rank = np.array(list(map(_RANK, self.ranks)), dtype=np.int64)
+        names: dict[str, int] = {}
+        self.node_of = np.array([names.setdefault(r.node, len(names)) for r in self.ranks],
+                                dtype=np.int64)
+        self.node = list(names)
+        self.meta_version = -1
+        self.metas: list[dict[str, Any]] = []
+        self.gpu_name: list[str | None] = []
+        self.said_dtype: list[str | None] = []
+        self.nvlink = np.empty(0)
+
+    def same(self, ranks: list[RankState]) -> bool:
+        """Whether ``ranks`` are the ranks these were made of (the same objects)."""
+        return len(ranks) == len(self.given) and all(map(is_, ranks, self.given))
+
+    def read_meta(self, version: int) -> None:
+        """Read the ranks' meta again if it changed (``version``: the state's
+        ``meta_version``)."""
+        if version == self.meta_version and len(self.metas) == len(self.ranks):
+            return
+        self.meta_version = version
+        self.metas = [r.meta for r in self.ranks]
+        dev = [m.get("device") if isinstance(m.get("device"), dict) else None
+               for m in self.metas]
+        self.gpu_name = [d.get("name") if d else None for d in dev]
+        from rtop.analysis.throughput import said_dtype  # it imports this module
+
+        self.said_dtype = [said_dtype(m) for m in self.metas]
+        self.nvlink = np.array([float(d["nvlink_links"]) if d and isinstance(
+            d.get("nvlink_links"), (int, float)) else np.nan for d in dev])
+
+
+_RANK = attrgetter("rank")
+_SLOT = attrgetter("slot")
+_STATUS = attrgetter("status")
+_LAST_SEEN = attrgetter("last_seen")
+_HB_OF = attrgetter("hb")
+_HB_PHASE = HEARTBEAT_FIELDS.index("phase")
+
+
 @dataclass
 class TrendCache:
     """The long memory fit (``mem_trend_long_samples`` samples per rank, ~1 s apart: the
-    dearest part of a window at thousands of ranks), kept between evaluations and
-    refitted a slice of the ranks at a time, so that every rank is refitted within
-    ``mem_trend_long_every_s`` of hub time and no evaluation pays for all of them. A new
-    set of ranks is fitted whole. The analyzer owns one
-    (:class:`rtop.analysis.engine.Analyzer`)."""
+    dearest part of a window at thousands of ranks), kept between evaluations by slot
+    and refitted a slice of the ranks at a time, so that every rank is refitted within
+    ``mem_trend_long_every_s`` of hub time and no evaluation pays for all of them. Ranks
+    new to it (a rank that arrives, a slot another rank took) are fitted at once, at
+    most :attr:`new_most` at an evaluation (NaN until then: thousands of ranks that
+    arrive together cost a few evaluations a share each, not one all of them). The
+    analyzer owns one (:class:`rtop.analysis.engine.Analyzer`)."""
 
     t: float = -math.inf
-    slots: np.ndarray | None = None
-    fit: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     turn: int = 0
+    #: the fit (slope, growth, r2) by slot, and the rank each slot's fit is of
+    by_slot: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    owner: list[RankState | None] = field(default_factory=list)
+    #: ranks never fitted yet, fitted at most this many at an evaluation
+    new_most: int = 2048
+    #: the ranks and slots of the last call, and the positions among them not fitted yet
+    seen: tuple[list[RankState], np.ndarray] | None = None
+    unfitted: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     #: the ranks' roles (pipeline stage, tensor-parallel rank), read once per meta
     role_cache: roles.RoleCache = field(default_factory=roles.RoleCache)
+    #: who the ranks are, read once per set of ranks (and per meta)
+    members: Members | None = None
 
     def long_fit(self, state: RunState, ranks: list[RankState], slots: np.ndarray,
-                 cfg: AnalysisConfig, t: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The long fit of ``ranks`` as of about ``t``."""
-        if self.fit is None or self.slots is None or t < self.t \
-                or not np.array_equal(self.slots, slots):
-            self.fit = _mem_trend(state, ranks, slots, cfg, cfg.mem_trend_long_samples)
-            self.t, self.slots, self.turn = t, slots.copy(), 0
-            return self.fit
-        if t - self.t < EVAL_EVERY_S:
-            return self.fit
-        parts = max(1, round(cfg.mem_trend_long_every_s / EVAL_EVERY_S))
-        self.turn = (self.turn + 1) % parts
-        idx = np.arange(self.turn, len(ranks), parts)
-        if len(idx):
-            part = _mem_trend(state, [ranks[i] for i in idx.tolist()], slots[idx], cfg,
-                              cfg.mem_trend_long_samples)
-            for whole, new in zip(self.fit, part, strict=True):
-                whole[idx] = new
-        self.t = t
-        return self.fit
+                 cfg: AnalysisConfig, t: float, warm_wall: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The long fit of ``ranks`` as of about ``t`` (``warm_wall``: theirs, when the
+        caller has them)."""
+        if warm_wall is None:
+            warm_wall = _warm_walls(ranks)
+        n = len(ranks)
+        size = max(state.samples.slots, int(slots.max()) + 1 if n else 0)
+        if self.by_slot is None or t < self.t:  # the first call, or a clock gone back
+            self.by_slot = (np.full(size, np.nan), np.full(size, np.nan),
+                            np.full(size, np.nan))
+            self.owner, self.seen, self.t = [None] * size, None, -math.inf
+        assert self.by_slot is not None
+        if len(self.owner) < size:
+            more = size - len(self.owner)
+            a, b, c = (np.concatenate([x, np.full(more, np.nan)]) for x in self.by_slot)
+            self.by_slot = (a, b, c)
+            self.owner += [None] * more
+        seen = self.seen
+        if seen is None or seen[0] is not ranks or not np.array_equal(seen[1], slots):
+            owner = self.owner
+            self.unfitted = np.array([i for i, (s, r) in enumerate(zip(
+                slots.tolist(), ranks, strict=True)) if owner[s] is not r], dtype=np.int64)
+            self.seen = (ranks, slots.copy())
+        fit = self.unfitted[:self.new_most]
+        self.unfitted = self.unfitted[self.new_most:]
+        if t - self.t >= EVAL_EVERY_S:
+            parts = max(1, round(cfg.mem_trend_long_every_s / EVAL_EVERY_S))
+            self.turn = (self.turn + 1) % parts
+            turn = np.arange(self.turn, n, parts)
+            fit = np.union1d(fit, turn)
+            if len(self.unfitted):
+                self.unfitted = np.setdiff1d(self.unfitted, turn)
+            self.t = t
+        if len(fit):
+            part = _mem_trend(state, [ranks[i] for i in fit.tolist()], slots[fit], cfg,
+                              cfg.mem_trend_long_samples, warm_wall[fit])
+            for whole, new in zip(self.by_slot, part, strict=True):
+                whole[slots[fit]] = new
+            for i in fit.tolist():
+                self.owner[int(slots[i])] = ranks[i]
+        slope, growth, r2 = (x[slots] for x in self.by_slot)
+        if len(self.unfitted):
+            for x in (slope, growth, r2):
+                x[self.unfitted] = np.nan
+        return slope, growth, r2
 
 
 def take(state: RunState, cfg: AnalysisConfig, now: float | None = None,
          cache: TrendCache | None = None) -> Window:
     """Read the current attempt's ranks out of the run state (``cache``: the long memory
-    fit of an earlier evaluation, reused while fresh)."""
-    t = state.now if now is None else now
-    ranks = sorted(state.active_ranks(), key=lambda r: r.rank)
-    n = len(ranks)
-    slots = np.array([r.slot if r.slot is not None else 0 for r in ranks], dtype=np.int64)
-    names: dict[str, int] = {}
-    node_of = np.array([names.setdefault(r.node, len(names)) for r in ranks], dtype=np.int64)
-    k_steps = max(1, min(cfg.recent_max_steps, state.steps.window))
-    if n:
-        med, count, rate, per_step, step_t = _recent_medians(state, ranks, slots, cfg)
-        latest = state.latest[slots]
-        slope, growth, r2 = _mem_trend(state, ranks, slots, cfg)
-        # a slow leak grows too little over the short fit to tell from noise: where the
-        # short fit shows no trend, the long one (over mem_trend_long_samples) is taken
+    fit of an earlier evaluation, reused while fresh, and who the ranks are)."""
+    return Taking(state, cfg, now, cache).window()
+
+
+class Taking:
+    """A window being taken, a share of the ranks at a time: :meth:`step` reads the
+    next ranks' windows (their recent medians, memory trends and clocks: the dear part),
+    then, once all are, the long memory fit; :meth:`window` the rest and puts it
+    together. The live hub takes a window of
+    thousands of ranks over several turns of its loop, so that none stalls it
+    (``rtop.analysis.monitor``); :func:`take` takes it at once. Who the ranks are is
+    read when it begins."""
+
+    def __init__(self, state: RunState, cfg: AnalysisConfig, now: float | None = None,
+                 cache: TrendCache | None = None) -> None:
+        self.state, self.cfg, self.cache = state, cfg, cache
+        self.t = state.now if now is None else now
+        given = state.active_ranks()
+        members = cache.members if cache is not None else None
+        if members is None or not members.same(given):
+            members = Members(given)
+            if cache is not None:
+                cache.members = members
+        members.read_meta(state.meta_version)
+        self.members = members
+        self.ranks = members.ranks
+        slot_of = list(map(_SLOT, self.ranks))
+        self.gone = np.array([s is None for s in slot_of], dtype=bool)
+        self.slots = np.array([0 if s is None else s for s in slot_of] if self.gone.any()
+                              else slot_of, dtype=np.int64)
+        self.warm = _warm_walls(self.ranks)
+        self.done = 0  # ranks read so far (the first ``done``)
+        #: what is read of each rank (medians, counts, rates, recent steps and their
+        #: times, the short memory trend, clocks), filled a part at a time
+        self._cols: list[np.ndarray] = []
+        #: the memory trends, the long fit taken where the short one shows none (read
+        #: once every rank is: a part of its own)
+        self._trend: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @property
+    def n(self) -> int:
+        """Number of ranks."""
+        return len(self.ranks)
+
+    @property
+    def complete(self) -> bool:
+        """Whether everything is read (:meth:`window` only puts it together)."""
+        return self.done >= self.n and (self._trend is not None or not self.n)
+
+    def step(self, most: int | None = None) -> None:
+        """Read the next part: the windows of the next ``most`` ranks (default: all that
+        are left), or once all are read the long memory fit (see :class:`TrendCache`)."""
+        a = self.done
+        if a >= self.n:
+            if self._trend is None and self.n:
+                self._trend = self._trends()
+            return
+        b = self.n if most is None else min(self.n, a + max(1, most))
+        ranks, slots, warm, cfg = self.ranks[a:b], self.slots[a:b], self.warm[a:b], self.cfg
+        part = (*_recent_medians(self.state, ranks, slots, cfg, warm),
+                *_mem_trend(self.state, ranks, slots, cfg, None, warm),
+                self.state.samples.last(slots, max(1, cfg.throttle_samples),
+                                        ["gpu_sm_clock_mhz"])[:, :, 0].astype(np.float64))
+        if not self._cols:
+            self._cols = [np.empty((self.n, *x.shape[1:]), dtype=x.dtype) for x in part]
+        for whole, x in zip(self._cols, part, strict=True):
+            whole[a:b] = x
+        self.done = b
+
+    def _trends(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The memory trends (slope, growth, r2) and the latest samples: a slow leak
+        grows too little over the short fit to tell from noise: where the short fit
+        shows no trend, the long one (over mem_trend_long_samples) is taken."""
+        cfg, slots = self.cfg, self.slots
+        slope, growth, r2 = self._cols[5:8]
+        latest = self.state.latest[slots]
         cap = latest[:, _LATEST["mem_capacity_bytes"]]
         with np.errstate(invalid="ignore"):
             short_ok = (slope > 0) & (growth >= cfg.mem_trend_min_growth * cap) \
                 & (r2 >= cfg.mem_trend_min_r2)
         if cfg.mem_trend_long_samples > cfg.mem_trend_samples and not short_ok.all():
-            s2, g2, q2 = (cache or TrendCache()).long_fit(state, ranks, slots, cfg, t)
+            s2, g2, q2 = (self.cache or TrendCache()).long_fit(
+                self.state, self.ranks, slots, cfg, self.t, self.warm)
             slope = np.where(short_ok, slope, s2)
             growth = np.where(short_ok, growth, g2)
             r2 = np.where(short_ok, r2, q2)
-        clocks = state.samples.last(slots, max(1, cfg.throttle_samples),
-                                    ["gpu_sm_clock_mhz"])[:, :, 0].astype(np.float64)
-    else:
-        med = np.empty((0, len(_STEP_FIGURES) + 1))
-        count = rate = slope = growth = r2 = np.empty(0)
-        per_step = np.empty((0, k_steps, len(_STEP_FIGURES)))
-        step_t = np.empty((0, k_steps))
-        latest = np.empty((0, len(LATEST)))
-        clocks = np.empty((0, max(1, cfg.throttle_samples)))
-    gone = np.array([r.slot is None for r in ranks], dtype=bool)
-    if gone.any():
-        med[gone] = np.nan
-        per_step[gone] = np.nan
-        step_t[gone] = np.nan
-        latest[gone] = np.nan
-        clocks[gone] = np.nan
-    steps = {f: med[:, j + 1] for j, f in enumerate(_STEP_FIGURES)}
-    recent = {f: per_step[:, :, j] for j, f in enumerate(_STEP_FIGURES)}
-    lat = {f: latest[:, i] for f, i in _LATEST.items()}
-    # how long each rank has been in its phase: as of its last heartbeat, plus since then
-    last_seen = np.array([r.last_seen for r in ranks])
-    phase_age = (latest[:, _LATEST["phase_s"]] if n else np.empty(0)) + np.maximum(
-        0.0, t - last_seen)
-    dev = [r.meta.get("device") if isinstance(r.meta.get("device"), dict) else None
-           for r in ranks]
-    metas = [r.meta for r in ranks]
-    key = (state.meta_version, slots.tobytes(), np.array([r.rank for r in ranks]).tobytes())
-    classes, tensor_rank = (cache.role_cache.of(metas, key) if cache is not None
-                            else roles.roles_of(metas))
-    att = state.current
-    return Window(
-        t=t, ranks=ranks, rank=np.array([r.rank for r in ranks], dtype=np.int64),
-        node=list(names), node_of=node_of, status=[r.status for r in ranks],
-        active=np.array([r.status == "active" for r in ranks], dtype=bool),
-        world_size=att.world_size if att else 0, steps=steps, n_recent=count,
-        recent=recent, recent_t=step_t, clock_history=clocks,
-        step_rate=rate, latest=lat, phase=[r.phase for r in ranks], phase_age_s=phase_age,
-        mem_slope=slope, mem_growth=growth, mem_r2=r2,
-        gpu_name=[d.get("name") if d else None for d in dev],
-        nvlink=np.array([float(d["nvlink_links"]) if d and isinstance(
-            d.get("nvlink_links"), (int, float)) else np.nan for d in dev]),
-        peer_class=classes, counted=roles.counted_from(classes, tensor_rank),
-    )
+        return slope, growth, r2, latest
+
+    def window(self) -> Window:
+        """The window (what is not read yet is read now)."""
+        while not self.complete:
+            self.step()
+        state, cfg, cache, t = self.state, self.cfg, self.cache, self.t
+        members, ranks, slots, gone = self.members, self.ranks, self.slots, self.gone
+        n = self.n
+        k_steps = max(1, min(cfg.recent_max_steps, state.steps.window))
+        if n:
+            med, count, rate, per_step, step_t = self._cols[:5]
+            clocks = self._cols[8]
+            assert self._trend is not None
+            slope, growth, r2, latest = self._trend
+        else:
+            med = np.empty((0, len(_STEP_FIGURES) + 1))
+            count = rate = slope = growth = r2 = np.empty(0)
+            per_step = np.empty((0, k_steps, len(_STEP_FIGURES)))
+            step_t = np.empty((0, k_steps))
+            latest = np.empty((0, len(LATEST)))
+            clocks = np.empty((0, max(1, cfg.throttle_samples)))
+        if gone.any():
+            med[gone] = np.nan
+            per_step[gone] = np.nan
+            step_t[gone] = np.nan
+            latest[gone] = np.nan
+            clocks[gone] = np.nan
+        steps = {f: med[:, j + 1] for j, f in enumerate(_STEP_FIGURES)}
+        recent = {f: per_step[:, :, j] for j, f in enumerate(_STEP_FIGURES)}
+        lat = {f: latest[:, i] for f, i in _LATEST.items()}
+        # how long each rank has been in its phase: as of its last heartbeat, plus since
+        last_seen = np.fromiter(map(_LAST_SEEN, ranks), dtype=np.float64, count=n)
+        phase_age = (latest[:, _LATEST["phase_s"]] if n else np.empty(0)) + np.maximum(
+            0.0, t - last_seen)
+        status = list(map(_STATUS, ranks))
+        key = (state.meta_version, slots.tobytes(), members.rank.tobytes())
+        classes, tensor_rank = (cache.role_cache.of(members.metas, key) if cache is not None
+                                else roles.roles_of(members.metas))
+        att = state.current
+        return Window(
+            t=t, ranks=ranks, rank=members.rank.copy(),
+            node=list(members.node), node_of=members.node_of.copy(), status=status,
+            active=np.array([s == "active" for s in status], dtype=bool),
+            world_size=att.world_size if att else 0, steps=steps, n_recent=count,
+            recent=recent, recent_t=step_t, clock_history=clocks,
+            step_rate=rate, latest=lat,
+            phase=[None if not hb else str(hb[_HB_PHASE]) for hb in map(_HB_OF, ranks)],
+            phase_age_s=phase_age, mem_slope=slope, mem_growth=growth, mem_r2=r2,
+            gpu_name=list(members.gpu_name), nvlink=members.nvlink.copy(),
+            peer_class=classes, counted=roles.counted_from(classes, tensor_rank),
+            said_dtype=list(members.said_dtype),
+        )

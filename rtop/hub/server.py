@@ -79,7 +79,7 @@ from typing import Any
 from collectors import auth, wire
 from rtop import __version__
 from rtop.analysis.config import AnalysisConfig
-from rtop.analysis.monitor import Evaluation, Monitor
+from rtop.analysis.monitor import EVAL_SHARE, Evaluation, Monitor
 from rtop.analysis.viewport import Viewports
 from rtop.hub import http
 from rtop.hub.admission import Admission, Bucket, PeerLog, addr_group, is_loopback
@@ -329,6 +329,7 @@ class Hub:
         self._closing: asyncio.Task[None] | None = None
         self._idle_since: float | None = None
         self._last_tick: float | None = None  # the last housekeeping pass (monotonic)
+        self._scan_turn = 0  # which share of the connections the next pass looks at
         self.peer_log = PeerLog(self.cfg.log_every_s, self.cfg.log_summary_s)
         self.address = ""
         self.counters = {"connections": 0, "refused": 0, "bad_frames": 0, "floods": 0,
@@ -468,7 +469,14 @@ class Hub:
                 if conn.partial_since is not None:
                     conn.partial_since = mono
         self._last_tick = mono
-        for conn in list(self._conns):
+        conns = list(self._conns)
+        if len(conns) > SCAN_PER_TICK:
+            # thousands of ranks: each pass looks at a share of the connections, in turn
+            # (every one within a few passes: the timeouts are seconds, pings 10 s apart)
+            parts = -(-len(conns) // SCAN_PER_TICK)
+            self._scan_turn = (self._scan_turn + 1) % parts
+            conns = conns[self._scan_turn::parts]
+        for conn in conns:
             if conn.closing:
                 continue
             if conn.role is None and not conn.spoke and mono - conn.opened > \
@@ -514,7 +522,9 @@ class Hub:
         self.relays.tick(mono)
         if self.spools is not None:
             self.spools.tick(mono)
-        evaluation = self.monitor.advance(now)
+        # the diagnosis takes at most its share of the core (less often at thousands of
+        # ranks: Monitor.advance)
+        evaluation = self.monitor.advance(now, share=EVAL_SHARE)
         if evaluation is not None:
             self._report(evaluation)
         if self.recorder is not None:
@@ -1101,6 +1111,10 @@ class Hub:
 
 #: Housekeeping runs every 0.25 s; a pass this much later means the hub was busy.
 BUSY_S = 2.0
+#: Connections one housekeeping pass looks at (timeouts, pings): with more, each pass
+#: looks at a share of them in turn (at 16,384 ranks each every 2 s), so that no pass
+#: stalls the loop on a Python loop over every rank.
+SCAN_PER_TICK = 2048
 METRICS_CACHE_S = 1.0  # one exposition serves every scrape within this (0.3 s at 1,024 ranks)
 
 
