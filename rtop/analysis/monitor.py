@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -40,8 +41,9 @@ from rtop.run.state import JobExit, RankState, RunState
 EVAL_EVERY_S: Final = window.EVAL_EVERY_S
 #: The share of a core the live hub's diagnosis may take on average: where one
 #: evaluation costs more than this share of :data:`EVAL_EVERY_S` (thousands of ranks),
-#: the next comes later, its interval this evaluation's CPU time over the share
-#: (smoothed: ``Monitor.advance(share=...)``), up to :data:`EVAL_MOST_EVERY_S`. At 1,024
+#: the next comes later, its interval the evaluations' CPU time over the share (the
+#: lesser of the last two: ``Monitor.advance(share=...)``), up to
+#: :data:`EVAL_MOST_EVERY_S`. At 1,024
 #: ranks an evaluation costs ~10-20 ms and the interval stays 0.5 s; at 16,384 it is
 #: about 1-2 s.
 EVAL_SHARE: Final = 0.10
@@ -86,7 +88,7 @@ class Monitor:
         #: where they cost more than their share: ``advance(share=...)``)
         self.eval_every_s = EVAL_EVERY_S
         self._next_diagnosis = -math.inf
-        self._cost_s: float | None = None  # an evaluation's CPU time, smoothed
+        self._costs: deque[float] = deque(maxlen=2)  # the last evaluations' CPU times
         #: an evaluation under way, read a share of the ranks at a call (with a share)
         self._taking: window.Taking | None = None
         self._taking_cpu = 0.0  # the CPU time it took so far
@@ -117,7 +119,8 @@ class Monitor:
         ``share`` (the live hub's: :data:`EVAL_SHARE`): the share of a core the
         diagnosis may take on average. The diagnosis then runs every
         :attr:`eval_every_s`: :data:`EVAL_EVERY_S` while an evaluation costs less than
-        ``share`` of it, else as long as its CPU time (smoothed) over ``share``, at most
+        ``share`` of it, else as long as its CPU time (the lesser of the last two) over
+        ``share``, at most
         :data:`EVAL_MOST_EVERY_S`; silent ranks are still marked lost every
         :data:`EVAL_EVERY_S`. Without it (a replay, a report: their time is not the
         hub's) every evaluation diagnoses. With it, the window of more than
@@ -201,12 +204,12 @@ class Monitor:
 
     def _pace(self, cost_s: float, share: float, t: float) -> None:
         """The next diagnosis' time, after one that took ``cost_s`` of CPU at ``t``
-        (see :meth:`advance`): the cost smoothed (a dear evaluation counts at once, a
-        cheap one a quarter), so that the interval follows a larger job within one
-        evaluation and does not flap with the noise of each."""
-        was = self._cost_s
-        self._cost_s = cost_s if was is None or cost_s > was else was + 0.25 * (cost_s - was)
-        every = min(EVAL_MOST_EVERY_S, max(EVAL_EVERY_S, self._cost_s / max(share, 1e-9)))
+        (see :meth:`advance`): the cost taken is the lesser of the last two evaluations'
+        (one dear evaluation, a first import or a collection, does not slow the next;
+        a larger job does from its second evaluation on)."""
+        self._costs.append(cost_s)
+        cost = min(self._costs) if len(self._costs) > 1 else 0.0
+        every = min(EVAL_MOST_EVERY_S, max(EVAL_EVERY_S, cost / max(share, 1e-9)))
         self.eval_every_s = every
         self._next_diagnosis = t + every
 
