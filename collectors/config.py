@@ -38,9 +38,10 @@ COMM_TIMINGS = ("ddp", "hook")
 DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 #: How often a rank sends its records unless told (``RTOP_FLUSH_S``) ...
 FLUSH_S = 0.5
-#: ... and in a world of ``LARGE_WORLD`` ranks or more: a hub's cost is mostly per
-#: frame, so a big job's ranks send half as many frames, each twice as full (the
-#: diagnosis, which judges several steps, learns of a fault half a second later).
+#: ... and in a world of ``LARGE_WORLD`` ranks or more: a big job's ranks send half as
+#: many frames, each twice as full (half the frames to decode, acknowledgements to send
+#: and relay frames to carry; the records are the same; the diagnosis, which judges
+#: several steps, learns of a fault half a second later).
 LARGE_WORLD = 1024
 LARGE_WORLD_FLUSH_S = 1.0
 
