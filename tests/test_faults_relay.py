@@ -441,7 +441,10 @@ def test_relay_overloaded_costs_bounded_buffers_not_steps(tmp_path: Path,
     slowest = max(t for r in results for t in r["times"][5:])
     assert slowest < 1.5, slowest
     acked = acked_once(run.record, results)
-    assert acked["dropped"] > 0, results  # the bounded buffers were reached, and held
+    if reliability.long_run():
+        # 60 s of ~1 ms steps is more than a rank keeps (4 MiB): its bounded buffers were
+        # reached, and held; in the short run (16 s, ~2.5 MB a rank) they need not be
+        assert acked["dropped"] > 0, results
     pace = run.pace("the relay's overload", t0, began, ended, back)
     reliability.record(
         f"a node's relay overloaded: its link to the hub held to 256 kbit/s (tbf) and the "
