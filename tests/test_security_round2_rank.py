@@ -539,6 +539,10 @@ print(json.dumps(res))
 @pytest.mark.job
 @pytest.mark.root
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+@pytest.mark.skipif(any(Path(p).resolve().is_relative_to("/tmp")
+                        for p in (sys.executable, ROOT)),
+                    reason="the checkout or its interpreter lies under /tmp, which this "
+                           "test replaces with a fresh one (a clone made there)")
 def test_under_a_real_squat_of_tmp_discovery_and_spools_still_work(tmp_path):
     """The attack as it happens: another user (``nobody``) owns ``/tmp/rtop-<uid>``, in a
     mount namespace of the test's own whose ``/tmp`` is fresh. A rank with no settings
