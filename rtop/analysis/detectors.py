@@ -16,7 +16,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
@@ -419,11 +419,6 @@ def _straggler_causes(w: Window, i: int, peers_mask: np.ndarray, cfg: AnalysisCo
     return causes, ev
 
 
-#: A straggler's slow steps must fill this share of its recent window where that window
-#: is shorter than ``straggler_min_s`` (fast steps; see :func:`straggler`).
-STRAGGLER_SPAN_SHARE: Final = 0.75
-
-
 def straggler(ctx: Context, starved: set[int]) -> Finding | None:
     """A rank slower in compute (not data) than the others: above its peers' median (by
     a ratio, an absolute excess, a share of its step, and their robust spread) in most
@@ -449,16 +444,11 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
                   * w.recent["step_s"]))
         held, fraction = peers.persistent(slow_step, valid, cfg.persist_min_steps, 0.0,
                                           newest=False)
-        lasted = np.fmax(w.recent["step_s"], per_step)
-        # the slow steps last straggler_min_s together, or, where the recent window is
-        # shorter than that (steps under 75 ms: at most recent_max_steps of them are
-        # kept), three quarters of the window: a window that short could never hold it
-        span = np.nansum(np.where(valid, lasted, 0.0), axis=1)
-        need = np.minimum(cfg.straggler_min_s * k, STRAGGLER_SPAN_SHARE * span)
         hit = ok & held & (comp >= slow_at) \
             & (np.isnan(step) | (excess >= cfg.straggler_min_share * k * step)) \
             & (fraction >= cfg.straggler_min_fraction * k) \
-            & (np.nansum(np.where(slow_step & valid, lasted, 0.0), axis=1) >= need)
+            & (np.nansum(np.where(slow_step & valid, np.fmax(w.recent["step_s"], per_step),
+                                  0.0), axis=1) >= cfg.straggler_min_s * k)
     flagged = np.flatnonzero(hit).tolist()
     if len(flagged) > max(1, int(cfg.straggler_max_share * ok.sum())):
         return None  # most ranks "slow" is no straggler: the others are fast
