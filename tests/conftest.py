@@ -22,7 +22,9 @@ them; ``make test`` (and CI) runs everything.
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,3 +154,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 1 if item.get_closest_marker("ray") else 0
 
     items.sort(key=order)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 kB tmpfs at ``tmp_path/tiny`` (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs",
+                           str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -42,23 +42,6 @@ TOKEN = "disk-fault-token"
 
 
 @pytest.fixture
-def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 64 kB tmpfs at ``tmp_path/tiny`` (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs",
-                           str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-@pytest.fixture
 def ext4_disk(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     """A 16 MB ext4 file system on a loop device, mounted at ``tmp_path/ext4`` with
     ``errors=remount-ro`` (root only): ``(mount point, loop device's name)``."""

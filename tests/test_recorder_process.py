@@ -19,7 +19,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -288,23 +287,6 @@ def test_a_hub_killed_after_handing_over_loses_none_of_it(tmp_path):
     assert waiting.wait_for(lambda: not Path(f"/proc/{pid}").exists()
                             or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
                             timeout=10)  # it ended
-
-
-@pytest.fixture
-def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 64 kB tmpfs at ``tmp_path/tiny`` (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs",
-                           str(mnt)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_a_full_disk_stops_the_process_recording_with_one_error(tiny_disk, caplog):
