@@ -325,3 +325,18 @@ def test_every_threshold_is_read_and_documented():
     for f in fields(AnalysisConfig):
         assert f"cfg.{f.name}" in code, f"{f.name} is never read"
         assert f"| `{f.name}` |" in readme, f"{f.name} is not in the README's table"
+
+
+def test_an_input_bound_job_does_not_shrink_onto_the_last_rank_running():
+    """CI, stop 33: both ranks of a job waited 30 ms a step for data; rank 1 said goodbye
+    a moment before rank 0, and the next evaluation named rank 0 alone input-bound (the
+    rule for a job of one rank). The last rank running is not a job of one."""
+    both = steps({0: {"data_wait_s": 0.04}, 1: {"data_wait_s": 0.04}})
+    st = state_with(both)
+    [f] = evaluate(st, AnalysisConfig())
+    assert f.kind == "input_bound" and f.ranks == [0, 1]
+    st.apply(wire.Frame("bye", {"rank": 1, "reason": "exit"}), NOW + 2.1)
+    assert "input_bound" not in kinds(evaluate(st, AnalysisConfig()))
+    alone = state_with(steps({0: {"data_wait_s": 0.04}}))  # a job of one rank: it is
+    assert [(f.kind, f.ranks) for f in evaluate(alone, AnalysisConfig())] == \
+        [("input_bound", [0])]

@@ -302,13 +302,17 @@ def input_findings(ctx: Context) -> list[Finding]:
     waiting &= ok
     classes = w.classes  # pipeline stages: a stage whose every rank waits is input-bound
     bound = np.zeros(w.n, dtype=bool)
-    for mine in ([ok] if classes is None else [ok & (classes == c)
-                                                for c in np.unique(classes).tolist()]):
+    everyone = np.ones(w.n, dtype=bool)
+    for cls in ([everyone] if classes is None else [classes == c
+                                                    for c in np.unique(classes).tolist()]):
+        mine = ok & cls
         n_ok = int(mine.sum())
         n_waiting = int((waiting & mine).sum())
-        # one rank alone is input-bound when it waits; of several, enough of them (>= 2)
+        # a job (or stage) of one rank is input-bound when it waits; of several, when
+        # enough of those still running wait (>= 2): the last rank running as the others
+        # say goodbye is not a job of one, so the finding does not shrink onto it
         if (n_ok >= 2 and n_waiting >= max(2, math.ceil(cfg.input_bound_fraction * n_ok))) \
-                or (n_ok == 1 and n_waiting):
+                or (int(cls.sum()) == 1 and n_waiting):
             bound |= mine
     if bound.any():
         ranks = [int(r) for r in w.rank[bound]]
