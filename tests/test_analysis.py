@@ -100,6 +100,27 @@ def test_a_burst_of_slow_steps_is_not_a_straggler():
                                                                straggler_min_s=1.0)))
 
 
+def test_a_straggler_on_fast_steps_is_named_from_a_longer_look_back():
+    """CI, stop 32: on 65 ms steps, 20 recent steps last 1.3 s, so a straggler's slow
+    steps could never last the 1.5 s it takes; they are counted over its last 64 steps
+    now. A second of contention is still a hiccup, and so are two of them a few steps
+    apart (the stretch ends where 3 steps in a row were at the peers' pace)."""
+    def job(pattern: str) -> RunState:  # the last steps of rank 1: "s" slow, "." not
+        rows = steps({0: {"compute_s": 0.030}, 1: {"compute_s": 0.030},
+                      2: {"compute_s": 0.030}}, n=20 + 60, step_s=0.065)  # 20 warm-up
+        for row, c in zip(rows[1][len(rows[1]) - len(pattern):], pattern, strict=True):
+            if c == "s":
+                row[STEP_FIELDS.index("compute_s")] = 0.060
+        return state_with(rows)
+
+    assert "straggler" in kinds(evaluate(job("s" * 30), AnalysisConfig()))  # 1.95 s
+    assert "straggler" in kinds(evaluate(job("s" * 12 + "." + "s" * 12), AnalysisConfig()))
+    assert "straggler" not in kinds(evaluate(job("s" * 16), AnalysisConfig()))  # 1.04 s
+    two = "s" * 12 + "..." + "s" * 14  # 0.8 s, 3 steps at pace, 0.9 s
+    assert "straggler" not in kinds(evaluate(job(two), AnalysisConfig()))
+    assert "straggler" in kinds(evaluate(job(two), AnalysisConfig(straggler_break_steps=4)))
+
+
 def test_straggler_blamed_on_throttled_clocks():
     fig = {r: {} for r in range(4)}
     fig[2] = {"compute_s": 0.14, "comm_s": 0.005}

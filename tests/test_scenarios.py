@@ -54,13 +54,6 @@ def test_every_rank_slow_is_input_bound_not_starvation(tmp_path):
     assert out.latency("input_bound") <= 3.0
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known bug: a straggler's slow steps must last 1.5 s together, and the recent window "
-    "holds at most 20 steps; this workload's steps take ~65 ms on a fast machine (1.3 s "
-    "for 20), so no straggler is named unless the machine is slow enough to stretch them. "
-    "Naming it from a 0.75 share of a short window brought back a false straggler on "
-    "tests/fixtures/healthy.rtop (a checkpoint beside the job); the duration needs a "
-    "longer look-back than the medians' window"))
 def test_straggler_is_named_and_not_called_starved(tmp_path):
     out = run_scenario(tmp_path, Faults(extra_compute_s={1: 0.030}, start_step=START), world=2,
                        duration_s=12.0)

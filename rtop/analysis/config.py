@@ -75,6 +75,12 @@ class AnalysisConfig:
     # ... and those slow steps together last at least this long: on fast steps, a second
     # of CPU contention (a checkpoint's write beside the job) slows ten-odd steps alike
     straggler_min_s: float = 1.5
+    # ... counted over the rank's last straggler_lookback_steps steps (of the last
+    # straggler_lookback_s seconds), back from its newest to where straggler_break_steps
+    # steps in a row were not slow: 20 steps of 65 ms cannot hold 1.5 s
+    straggler_lookback_steps: int = 64
+    straggler_lookback_s: float = 10.0
+    straggler_break_steps: int = 3
     straggler_max_share: float = 0.5  # more than this share of the ranks slow: no straggler
     straggler_clear: float = 0.8  # active findings use thresholds times this
     # straggler: its cause, read from the slow rank's own counters

@@ -99,6 +99,28 @@ def persistent(anomalous: np.ndarray, valid: np.ndarray, min_steps: int, fractio
     return ok, share
 
 
+def slow_stretch_s(slow: np.ndarray, valid: np.ndarray, seconds: np.ndarray,
+                   break_steps: int) -> np.ndarray:
+    """Per rank: how long its slow steps (``slow``, ``(n, L)``, oldest first) last
+    together, counted back from its newest step to where ``break_steps`` valid steps in
+    a row were not slow (a step now and then at its peers' pace does not end a
+    straggler's stretch; a run of them does: what came before was another episode, a
+    checkpoint's contention, say). ``seconds``: each step's duration."""
+    n, k = slow.shape
+    if n == 0 or k == 0:
+        return np.zeros(n)
+    fast = valid & ~slow
+    b = max(1, break_steps)
+    run = fast.copy()  # run[:, j]: steps j-b+1 .. j were all valid and not slow
+    for d in range(1, b):
+        run[:, d:] &= fast[:, :-d]
+        run[:, :d] = False
+    cols = np.arange(k)
+    last_break = np.where(run, cols[None, :], -1).max(axis=1)
+    after = cols[None, :] > last_break[:, None]
+    return np.where(slow & valid & after, np.nan_to_num(seconds), 0.0).sum(axis=1)
+
+
 def settling(values: np.ndarray, valid: np.ndarray, center: np.ndarray,
              ratio: float) -> np.ndarray:
     """Per rank: whether its excess over ``center`` shrank from its second newest valid
