@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -349,3 +350,58 @@ def test_a_process_that_ran_a_while_is_started_again(tmp_path, monkeypatch, capl
         [(f.kind, f.payload.get("seq")) for f in sent if f.kind == wire.KIND_BATCH]
     assert got[-1].kind == "end"
     assert sum(1 for r in caplog.records if r.levelno >= logging.ERROR) == 1
+
+
+def test_a_process_that_falls_behind_holds_the_hub_back_not_its_memory(
+        tmp_path, monkeypatch, caplog):
+    """The recorder's process stopped (SIGSTOP: a machine whose cores are all busy)
+    while frames keep coming: what it has not written stays under ``BACKLOG_BYTES``
+    plus one flush; the flush past that waits for it (the hub reads nothing meanwhile),
+    counted, logged once; the file is whole, every flush called back."""
+    bound = 128 * 1024  # the stream is 333 kB, 1.3 MB four times over
+    monkeypatch.setattr(recorder_mod, "BACKLOG_BYTES", bound)
+    path = tmp_path / "run.rtop"
+    frames = _stream() * 4
+
+    async def main() -> tuple[Recorder, int, float, int, int]:
+        rec = Recorder(path, {"job": "x"}, process=True)
+        pid = rec.process_pid
+        assert pid is not None
+        rec.flush()
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        threading.Timer(1.0, os.kill, (pid, signal.SIGCONT)).start()
+        most, flushed_at, called, flushes = 0, 0.0, 0, 0
+
+        def then() -> None:
+            nonlocal called
+            called += 1
+        for i, (t, data) in enumerate(frames):
+            rec.raw(data, t)
+            if i % 50 == 49:
+                rec.flush(then=then)  # as the hub does: it returns at once ...
+                flushes += 1
+                proc = rec._proc
+                assert proc is not None and rec.process_pid == pid
+                most = max(most, proc.backlog)
+                if rec.stalls and not flushed_at:
+                    flushed_at = time.monotonic() - stopped_at
+        end = time.monotonic() + 10
+        while called < flushes and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        rec.close()
+        return rec, most, flushed_at, called, flushes
+
+    rec, most, waited, called, flushes = asyncio.run(main())
+    assert rec.stalls >= 1 and waited >= 0.9  # ... but for those that found it behind
+    assert rec.stalled_s >= 0.5
+    assert called == flushes
+    chunk = max(len(d) for _, d in frames) * 50
+    assert most <= bound + chunk
+    got = [f for _, f in read(path)]
+    assert sum(1 for f in got if f.kind == wire.KIND_BATCH) == \
+        sum(1 for _, d in frames if wire.decode_body(d[wire.HEADER_BYTES:]).kind ==
+            wire.KIND_BATCH)
+    assert got[-1].kind == "end"
+    stalls = [r for r in caplog.records if "fell" in r.getMessage()]
+    assert len(stalls) == 1 and stalls[0].levelno == logging.WARNING

@@ -119,6 +119,9 @@ HUB_COUNTERS = {
     "spools_bad": "Spool files that could not be read (renamed .bad)",
     "spools_damaged": "Spool files taken in damaged (their whole frames before the damage "
                       "recorded)",
+    "recorder_stalls": "Times the hub waited for the recorder's process to catch up "
+                       "(it had fallen rtop.hub.recorder.BACKLOG_BYTES behind)",
+    "recorder_stalled_ms": "Milliseconds the hub waited for the recorder's process",
     "spools_pruned": "Spool files no hub recorded that the hub removed (past their time or "
                      "the spools' byte budget): their records are lost",
 }

@@ -85,6 +85,12 @@ BLOCK_BYTES: Final = 16 * 1024 * 1024
 PROCESS_BYTES_PER_S: Final = 256 * 1024
 #: A recorder process that confirms nothing for this long is taken for hung (killed).
 HUNG_S: Final = 60.0
+#: Bytes handed to the recorder's process and not yet confirmed written, above which
+#: the hub waits for it (down to half of it) before it reads more from its ranks: on
+#: a machine whose cores are all busy the process falls behind, and what it has not
+#: written would otherwise pile up in the hub's memory (600 MB a minute at 16,384
+#: ranks). The ranks keep what is not acknowledged meanwhile, as they do for a slow hub.
+BACKLOG_BYTES = 64 * 1024 * 1024
 #: A recorder process is started again after one died only if that one ran this long.
 RESTART_AFTER_S: Final = 60.0
 #: The most recorder processes one recording starts.
@@ -162,6 +168,7 @@ class _Process:
         self.pending: collections.deque[_Handed] = collections.deque()
         self.numbered = 0  # messages that get an answer, handed so far
         self.answered = 0
+        self.backlog = 0  # bytes of the messages handed over and not answered
         self.state: dict[str, Any] = {k: start[k] for k in (
             "t", "frames", "written", "secrets_dropped", "undecodable")}
         self.dead: str | None = None  # why it ended before it was told to
@@ -195,6 +202,7 @@ class _Process:
             if then is not None and loop is not None:
                 h.then.append((loop, then))
             self.pending.append(h)
+            self.backlog += len(body)
             return self.numbered
 
     def after(self, then: Then, loop: asyncio.AbstractEventLoop) -> bool:
@@ -217,6 +225,18 @@ class _Process:
                     return False
                 self.lock.wait(min(left, 1.0))
             return self.answered >= number
+
+    def wait_backlog(self, most: int, timeout: float = HUNG_S) -> bool:
+        """Wait until at most ``most`` bytes handed over are not answered (True), the
+        process died or ``timeout`` passed (False)."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self.backlog > most and self.dead is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.lock.wait(min(left, 1.0))
+            return self.backlog <= most
 
     def oldest(self) -> float | None:
         """Since when (monotonic) the oldest message not answered waits."""
@@ -242,6 +262,7 @@ class _Process:
         with self.lock:
             out = list(self.pending)
             self.pending.clear()
+            self.backlog = 0
             return out
 
     def _writing(self) -> None:
@@ -277,7 +298,9 @@ class _Process:
                 self.answered = number
                 self.state = state
                 while self.pending and self.pending[0].number <= number:
-                    then += self.pending.popleft().then
+                    done = self.pending.popleft()
+                    self.backlog -= len(done.body)
+                    then += done.then
                 self.lock.notify_all()
             if state.get("failed"):
                 self.on_failed(state["failed"])
@@ -327,6 +350,9 @@ class Recorder:
         self._process = process
         self._proc: _Process | None = None
         self._started = 0  # recorder processes started
+        #: times the hub waited for the recorder's process to catch up, and how long
+        self.stalls = 0
+        self.stalled_s = 0.0
         self._rate_t, self._rate_bytes = time.monotonic(), 0
         blocked = head == blocks.FILE_MAGIC or (not head and not legacy)
         if blocked and not blocks.available():  # pragma: no cover - the app extra has it
@@ -464,6 +490,8 @@ class Recorder:
                 then()
             return
         number = proc.send(record_proc.DATA, chunk) if chunk and not self.failed else 0
+        if proc.backlog > BACKLOG_BYTES and proc.dead is None:
+            self._catch_up(proc)
         if then is not None:
             assert loop is not None
             proc.loop, proc.on_dead = loop, self._check_process
@@ -471,6 +499,25 @@ class Recorder:
                 then()
         if wait:
             self._wait(proc, number or proc.numbered)
+
+    def _catch_up(self, proc: _Process) -> None:
+        """The recorder's process is :data:`BACKLOG_BYTES` behind: wait for it to write
+        half of that (the hub reads nothing meanwhile: its ranks keep what is not
+        acknowledged), or take it for hung."""
+        behind = proc.backlog
+        t0 = time.monotonic()
+        caught_up = proc.wait_backlog(BACKLOG_BYTES // 2)
+        waited = time.monotonic() - t0
+        self.stalls += 1
+        self.stalled_s += waited
+        if self.stalls == 1:
+            log.warning("rtop hub: the recorder's process fell %.0f MB behind (the "
+                        "machine's cores are busy); the hub waited %.1f s for it before "
+                        "reading on (logged once; counted in recorder_stalls)",
+                        behind / 1e6, waited)
+        if not caught_up and proc.dead is None:
+            proc.kill(f"still {proc.backlog / 1e6:.0f} MB behind after {HUNG_S:.0f} s")
+        self._check_process()
 
     def _wait(self, proc: _Process, number: int) -> None:
         if number and not proc.wait(number) and proc.dead is None:

@@ -900,8 +900,11 @@ class Hub:
     def snapshot(self) -> Snapshot:
         """The current snapshot, with findings when the monitor diagnoses."""
         spools = self.spools.counters if self.spools is not None else {}
+        rec = self.recorder
+        recording = {"recorder_stalls": rec.stalls,
+                     "recorder_stalled_ms": round(rec.stalled_s * 1000)} if rec else {}
         return self.monitor.snapshot(hub=HubInfo(
-            address=self.address, counters={**self.counters, **spools},
+            address=self.address, counters={**self.counters, **spools, **recording},
             record=str(self.recorder.path) if self.recorder else None))
 
     def _snapshot_frame(self) -> bytes:
