@@ -451,15 +451,22 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
         hit = ok & held & (comp >= slow_at) \
             & (np.isnan(step) | (excess >= cfg.straggler_min_share * k * step)) \
             & (fraction >= cfg.straggler_min_fraction * k)
-        back_comp, back_step = w.lookback["compute_s"], w.lookback["step_s"]
-        back_slow = (back_comp >= slow_at[:, None]) \
-            & (np.isnan(back_step)
-               | (back_comp - others[:, None] >= (cfg.straggler_min_share * k)[:, None]
-                  * back_step))
-        lasted = peers.slow_stretch_s(back_slow, ~np.isnan(back_comp),
-                                      np.fmax(back_step, back_comp),
-                                      cfg.straggler_break_steps)
-        hit &= lasted >= cfg.straggler_min_s * k
+        cand = np.flatnonzero(hit)
+        if cand.size and w.lookback is not None:  # how long their slow steps lasted
+            back = w.lookback(cand)
+            back_comp, back_step = back[:, :, 0], back[:, :, 1]
+            back_slow = (back_comp >= slow_at[cand, None]) \
+                & (np.isnan(back_step)
+                   | (back_comp - others[cand, None]
+                      >= (cfg.straggler_min_share * k)[cand, None] * back_step))
+            lasted = peers.slow_stretch_s(back_slow, ~np.isnan(back_comp),
+                                          np.fmax(back_step, back_comp),
+                                          cfg.straggler_break_steps)
+            hit[cand] &= lasted >= cfg.straggler_min_s * k[cand]
+        elif cand.size:  # no look-back (a window built by hand): its recent steps
+            hit &= np.nansum(np.where(slow_step & valid, np.fmax(w.recent["step_s"],
+                                                                 per_step), 0.0),
+                             axis=1) >= cfg.straggler_min_s * k
     flagged = np.flatnonzero(hit).tolist()
     if len(flagged) > max(1, int(cfg.straggler_max_share * ok.sum())):
         return None  # most ranks "slow" is no straggler: the others are fast

@@ -8,6 +8,7 @@ and cost little even at thousands of ranks.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter, is_
 from typing import Any, TypeGuard
@@ -56,11 +57,6 @@ class Window:
     #: slot's base: comparable within a rank only), NaN where not among the recent ones
     recent_t: np.ndarray
     step_rate: np.ndarray  # steps per second, recent
-    #: (n, L): compute_s and step_s of each rank's last ``straggler_lookback_steps``
-    #: steps (of the last ``straggler_lookback_s`` seconds, warm), oldest first, NaN
-    #: where none: a longer look-back than ``recent``'s, for how long a straggler's slow
-    #: steps have lasted when its steps are too fast for ``recent`` to hold 1.5 s
-    lookback: dict[str, np.ndarray]
     latest: dict[str, np.ndarray]  # latest samples: gpu_util_pct, mem_peak_bytes, ...
     phase: list[str | None]
     phase_age_s: np.ndarray  # how long the current phase has lasted, now
@@ -72,6 +68,13 @@ class Window:
     #: (n, m): the SM clock of each rank's last ``throttle_samples`` GPU samples, oldest
     #: first (NaN where missing)
     clock_history: np.ndarray
+    #: ``lookback(idx)``: for the ranks at indices ``idx``, ``(m, L, 2)``: the
+    #: :data:`LOOKBACK_FIGURES` of their last ``straggler_lookback_steps`` steps (of the
+    #: last ``straggler_lookback_s`` seconds, warm), oldest first, NaN where none: a
+    #: longer look-back than ``recent``'s, for how long a straggler's slow steps have
+    #: lasted when its steps are too fast for ``recent`` to hold 1.5 s. Read when asked,
+    #: for the few ranks that need it (a window of thousands of ranks does not read it)
+    lookback: Callable[[np.ndarray], np.ndarray] | None = None
     #: per rank, its peer class: its pipeline stage, or ``roles.NO_STAGE`` (ranks are
     #: compared with the peers of their own class: ``rtop.analysis.roles``)
     peer_class: np.ndarray | None = None
@@ -161,8 +164,8 @@ def _recent_medians(state: RunState, ranks: list[RankState], slots: np.ndarray,
 LOOKBACK_FIGURES = ("compute_s", "step_s")
 
 
-def _lookback(state: RunState, ranks: list[RankState], slots: np.ndarray,
-              cfg: AnalysisConfig, warm_wall: np.ndarray) -> np.ndarray:
+def _lookback(state: RunState, slots: np.ndarray, cfg: AnalysisConfig,
+              warm_wall: np.ndarray) -> np.ndarray:
     """``(n, L, 2)``: each rank's last ``straggler_lookback_steps`` steps'
     :data:`LOOKBACK_FIGURES`, oldest first; NaN for warm-up steps and those that ended
     more than ``straggler_lookback_s`` before the rank's newest."""
@@ -409,8 +412,7 @@ class Taking:
         part = (*_recent_medians(self.state, ranks, slots, cfg, warm),
                 *_mem_trend(self.state, ranks, slots, cfg, None, warm),
                 self.state.samples.last(slots, max(1, cfg.throttle_samples),
-                                        ["gpu_sm_clock_mhz"])[:, :, 0].astype(np.float64),
-                _lookback(self.state, ranks, slots, cfg, warm))
+                                        ["gpu_sm_clock_mhz"])[:, :, 0].astype(np.float64))
         if not self._cols:
             self._cols = [np.empty((self.n, *x.shape[1:]), dtype=x.dtype) for x in part]
         for whole, x in zip(self._cols, part, strict=True):
@@ -436,6 +438,13 @@ class Taking:
             r2 = np.where(short_ok, r2, q2)
         return slope, growth, r2, latest
 
+    def _lookback(self, idx: np.ndarray) -> np.ndarray:
+        """:attr:`Window.lookback` of the ranks at ``idx`` (NaN for those gone)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        back = _lookback(self.state, self.slots[idx], self.cfg, self.warm[idx])
+        back[self.gone[idx]] = np.nan
+        return back
+
     def window(self) -> Window:
         """The window (what is not read yet is read now)."""
         while not self.complete:
@@ -446,7 +455,7 @@ class Taking:
         k_steps = max(1, min(cfg.recent_max_steps, state.steps.window))
         if n:
             med, count, rate, per_step, step_t = self._cols[:5]
-            clocks, back = self._cols[8], self._cols[9]
+            clocks = self._cols[8]
             assert self._trend is not None
             slope, growth, r2, latest = self._trend
         else:
@@ -456,15 +465,12 @@ class Taking:
             step_t = np.empty((0, k_steps))
             latest = np.empty((0, len(LATEST)))
             clocks = np.empty((0, max(1, cfg.throttle_samples)))
-            back = np.empty((0, max(1, min(cfg.straggler_lookback_steps, state.steps.window)),
-                             len(LOOKBACK_FIGURES)))
         if gone.any():
             med[gone] = np.nan
             per_step[gone] = np.nan
             step_t[gone] = np.nan
             latest[gone] = np.nan
             clocks[gone] = np.nan
-            back[gone] = np.nan
         steps = {f: med[:, j + 1] for j, f in enumerate(_STEP_FIGURES)}
         recent = {f: per_step[:, :, j] for j, f in enumerate(_STEP_FIGURES)}
         lat = {f: latest[:, i] for f, i in _LATEST.items()}
@@ -483,7 +489,7 @@ class Taking:
             active=np.array([s == "active" for s in status], dtype=bool),
             world_size=att.world_size if att else 0, steps=steps, n_recent=count,
             recent=recent, recent_t=step_t, clock_history=clocks,
-            lookback={f: back[:, :, j] for j, f in enumerate(LOOKBACK_FIGURES)},
+            lookback=self._lookback,
             step_rate=rate, latest=lat,
             phase=[None if not hb else str(hb[_HB_PHASE]) for hb in map(_HB_OF, ranks)],
             phase_age_s=phase_age, mem_slope=slope, mem_growth=growth, mem_r2=r2,
