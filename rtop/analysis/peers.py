@@ -118,7 +118,9 @@ def slow_stretch_s(slow: np.ndarray, valid: np.ndarray, seconds: np.ndarray,
     cols = np.arange(k)
     last_break = np.where(run, cols[None, :], -1).max(axis=1)
     after = cols[None, :] > last_break[:, None]
-    return np.where(slow & valid & after, np.nan_to_num(seconds), 0.0).sum(axis=1)
+    lasted: np.ndarray = np.where(slow & valid & after, np.nan_to_num(seconds),
+                                  0.0).sum(axis=1)
+    return lasted
 
 
 def settling(values: np.ndarray, valid: np.ndarray, center: np.ndarray,
