@@ -361,3 +361,17 @@ def test_an_input_bound_job_does_not_shrink_onto_the_last_rank_running():
     alone = state_with(steps({0: {"data_wait_s": 0.04}}))  # a job of one rank: it is
     assert [(f.kind, f.ranks) for f in evaluate(alone, AnalysisConfig())] == \
         [("input_bound", [0])]
+
+
+def test_ranks_lost_are_named_at_the_first_evaluation_that_sees_them():
+    """CI, stop 34: both ranks of a torchrun job died (exit 3) right after their hellos;
+    the report's replay had one evaluation after that, its last, and lost_rank waited
+    for two (``onset_evals``): the report named nothing the live hub had named. A rank
+    lost is a settled state (a closed connection, or silence past the timeout)."""
+    st = state_with(steps({0: {}, 1: {}}))
+    for rank in (0, 1):
+        st.apply(wire.Frame("conn", {"event": "close", "rank": rank, "group": "g0",
+                                     "clean": False, "how": "eof"}), NOW + 2.5)
+    st.now = NOW + 2.6
+    found = Analyzer(AnalysisConfig()).update(st, NOW + 2.6)
+    assert [(f["kind"], f["ranks"]) for f in found] == [("lost_rank", [0, 1])]

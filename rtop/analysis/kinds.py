@@ -30,9 +30,13 @@ class Kind:
     fix: str
     #: how serious its badge is against the others' (higher first); 0 without a badge
     badge_weight: int = 0
-    #: its detector requires the condition over several of each rank's steps (or
-    #: samples) itself: the finding starts at the first evaluation that holds, rather
-    #: than after ``onset_evals`` of them (which would count the persistence twice)
+    #: its condition is settled when it first holds: its detector requires it over
+    #: several of each rank's steps (or samples) itself, or it is a state that does not
+    #: flap (a rank lost: its connection closed without a goodbye, or silent past the
+    #: hub's timeout). The finding starts at the first evaluation that holds, rather
+    #: than after ``onset_evals`` of them (which would count the persistence twice, and
+    #: would miss a job whose ranks all died within the last evaluation's half second:
+    #: the report's last evaluation is the only one that sees them lost)
     persists: bool = False
 
 
@@ -84,7 +88,7 @@ KINDS: Final[dict[str, Kind]] = {k.name: k for k in (
          "Check the rank's log and the node's kernel log (OOM killer, Xid errors, "
          "segfaults). With Ray Train, FailureConfig(max_failures=...) restarts the worker "
          "group from the last checkpoint.",
-         badge_weight=5),
+         badge_weight=5, persists=True),
     Kind("checkpoint_interval", "", False, "info",
          "Checkpoint about every {optimum} (Young/Daly: sqrt(2 x checkpoint cost x job "
          "MTBF)); cheaper checkpoints (asynchronous, sharded) make frequent ones "
