@@ -442,10 +442,16 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
     with np.errstate(invalid="ignore"):
         per_step = w.recent["compute_s"]
         valid = ~np.isnan(per_step)
-        slow_step = (per_step >= slow_at[:, None]) \
-            & (np.isnan(w.recent["step_s"])
-               | (per_step - others[:, None] >= (cfg.straggler_min_share * k)[:, None]
-                  * w.recent["step_s"]))
+        min_share = cfg.straggler_min_share * k
+
+        def slow(comp_s: np.ndarray, step_s: np.ndarray, at: slice | np.ndarray
+                 ) -> np.ndarray:
+            """Which of these steps (of the ranks ``at``) were slow: compute above the
+            limit, by a share of the step (when the step is known)."""
+            out: np.ndarray = (comp_s >= slow_at[at, None]) & (
+                np.isnan(step_s) | (comp_s - others[at, None] >= min_share[at, None] * step_s))
+            return out
+        slow_step = slow(per_step, w.recent["step_s"], slice(None))
         held, fraction = peers.persistent(slow_step, valid, cfg.persist_min_steps, 0.0,
                                           newest=False)
         hit = ok & held & (comp >= slow_at) \
@@ -455,13 +461,9 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
         if cand.size and w.lookback is not None:  # how long their slow steps lasted
             back = w.lookback(cand)
             back_comp, back_step = back[:, :, 0], back[:, :, 1]
-            back_slow = (back_comp >= slow_at[cand, None]) \
-                & (np.isnan(back_step)
-                   | (back_comp - others[cand, None]
-                      >= (cfg.straggler_min_share * k)[cand, None] * back_step))
-            lasted = peers.slow_stretch_s(back_slow, ~np.isnan(back_comp),
-                                          np.fmax(back_step, back_comp),
-                                          cfg.straggler_break_steps)
+            lasted = peers.slow_stretch_s(
+                slow(back_comp, back_step, cand), ~np.isnan(back_comp),
+                np.fmax(back_step, back_comp), cfg.straggler_break_steps)
             hit[cand] &= lasted >= cfg.straggler_min_s * k[cand]
         elif cand.size:  # no look-back (a window built by hand): its recent steps
             hit &= np.nansum(np.where(slow_step & valid, np.fmax(w.recent["step_s"],
