@@ -749,6 +749,10 @@ class Hub:
                               clip(rs.identity.job), clip(rs.identity.group), conn.who)
         elif frame.kind == wire.KIND_BYE:
             conn.clean = True
+            # a rank's end (and the last steps its goodbye came with) is seen at once,
+            # not from a view built a moment before it
+            self._snap_cache = None
+            self.viewports.clear()
             if rs is not None and rs.last_seq is not None:
                 # the rank waits for this before it leaves (or spools what is not)
                 seq = rs.last_seq
