@@ -184,6 +184,7 @@ def same(a: Any, b: Any) -> bool:
 @example(("hb", [[0.0, "p" * 65, 1.0, 3, "s" * 20001]]))
 @example(("mem", [[0.0, "cuda:0", 1, 2, 3, 4, 5, 6, 7]]))  # an older collector's row
 @example(("host", [[True] * len(HOST_FIELDS)]))
+@example(("mem", [[None, 1e30] + [None] * (len(MEM_FIELDS) - 2)]))  # absurd "device"
 @SETTINGS
 @given(table_rows())
 def test_check_rows_keeps_refuses_and_cleans_as_value_by_value(case: tuple[str, Any]) -> None:

@@ -277,6 +277,16 @@ _NUMBERS: Final = {
     for name, (_, full, _, _, _, _, other) in _ROWS.items()}
 
 
+def _absurd(row: list[Any], j: int) -> bool:
+    """Whether ``row[j]`` is a float beyond :data:`MAX_MAGNITUDE` (inf, nan, absurd):
+    then made None (not measured), in whichever field of the row it is."""
+    v = row[j]
+    if type(v) is float and not -MAX_MAGNITUDE <= v <= MAX_MAGNITUDE:
+        row[j] = None
+        return True
+    return False
+
+
 def check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any]]:
     """Rows of a table (``collectors.schema``), each as long as the table (``width``,
     if given, must say so), numbers where numbers belong (a non-finite one becomes
@@ -320,17 +330,17 @@ def check_rows(name: str, rows: Any, width: int | None = None) -> list[list[Any]
                     raise ProtocolError(f"'{name}' row {i}: '{fields[j]}' must be a "
                                         f"number, got {described(v)}")
         for j in splits:  # None (not split) stays None
-            if r[j] is not None:
+            if r[j] is not None and not _absurd(r, j):
                 r[j] = clean_split(f"'{name}' row {i}: '{fields[j]}'", r[j])
         for j in groups:
-            if r[j] is not None:
+            if r[j] is not None and not _absurd(r, j):
                 r[j] = clean_groups(f"'{name}' row {i}: '{fields[j]}'", r[j])
         for j, limit, multiline, keep_end in strings:
             v = r[j]
             # a string already safe (short enough, nothing to replace) stays as it is,
             # as safe_text would leave it
             if v is not None and not (type(v) is str and len(v) <= limit
-                                      and v.isprintable()):
+                                      and v.isprintable()) and not _absurd(r, j):
                 r[j] = check_text(f"'{name}' row {i}: '{fields[j]}'", v, limit,
                                   multiline=multiline, keep_end=keep_end)
     return rows
