@@ -90,6 +90,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -1184,6 +1185,7 @@ def run_job_phase(args: argparse.Namespace, opts: dict[str, Any], hub: HubProces
                    viewer_failures=viewer.failures)
         status = snap["ranks"]["status"]
         res["relays_up"] = int(snap["hub"]["counters"].get("relays", 0))
+        res["hub_counters"] = dict(snap["hub"]["counters"])
         with contextlib.suppress(psutil.Error):  # the hub's own TCP connections
             res["hub_sockets"] = sum(1 for c in hub.ps.net_connections("tcp")
                                      if c.status == psutil.CONN_ESTABLISHED)
@@ -1353,10 +1355,16 @@ def scan_log(text: str) -> dict[str, list[str]]:
         "recording": r"recording to .* stopped",
     }
     found: dict[str, list[str]] = {}
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
         for name, pat in patterns.items():
             if re.search(pat, line):
                 found.setdefault(name, []).append(line.strip())
+        if line.startswith("Traceback"):  # the whole of it, with what was logged before
+            end = next((j for j in range(i + 1, len(lines))
+                        if lines[j] and not lines[j][0].isspace()), len(lines) - 1)
+            found.setdefault("traceback", []).append(
+                "\n".join(lines[max(0, i - 1):min(end + 1, i + 40)]))
     return found
 
 
@@ -1445,6 +1453,13 @@ def summarize(args: argparse.Namespace, res: dict[str, Any], p2: dict[str, Any] 
           f"({verdict(res['ranks_active'] == args.ranks)})")
     print(f"  recording {res['record_rate'] / MB:.2f} MB/s "
           f"({res['record_rate'] * 3600 / 1e9:.1f} GB/hour)")
+    hc = res.get("hub_counters", {})
+    if hc.get("recorder_stalls"):
+        print(f"{'':12}its process fell behind {hc['recorder_stalls']} time(s), "
+              f"{hc.get('recorder_stalled_ms', 0) / 1e3:.1f} s in all: the hub paused its "
+              f"ranks {hc.get('ingest_pauses', 0)} time(s) "
+              f"({hc.get('ingest_paused_ms', 0) / 1e3:.1f} s), its loop waited "
+              f"{hc.get('recorder_waits', 0)} time(s)")
     if mode == "relays":
         print(f"  relays    {median(res['relay_cpu']):.0f}% of a core for all of them (median), "
               f"{median(res['relay_cpu']) / max(res['relays_up'], 1) * 10:.2f}% per 10 "
@@ -1488,6 +1503,10 @@ def summarize(args: argparse.Namespace, res: dict[str, Any], p2: dict[str, Any] 
               f"ceiling; {p2['floods']} floods, {p2['closed']} connections closed by the hub")
     for name, found in logs.items():
         for kind, lines in found.items():
+            if kind == "traceback":
+                print(f"  {name} log: {len(lines)} traceback(s), the first:")
+                print(textwrap.indent(lines[0], "    | "))
+                continue
             print(f"  {name} log: {kind}: {len(lines)} line(s), e.g. {lines[0][:150]}")
     notes = res.get("notes", []) + (p2["notes"] if p2 else [])
     for n in notes[:10]:

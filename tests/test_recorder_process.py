@@ -355,9 +355,10 @@ def test_a_process_that_ran_a_while_is_started_again(tmp_path, monkeypatch, capl
 def test_a_process_that_falls_behind_holds_the_hub_back_not_its_memory(
         tmp_path, monkeypatch, caplog):
     """The recorder's process stopped (SIGSTOP: a machine whose cores are all busy)
-    while frames keep coming: what it has not written stays under ``BACKLOG_BYTES``
-    plus one flush; the flush past that waits for it (the hub reads nothing meanwhile),
-    counted, logged once; the file is whole, every flush called back."""
+    while frames keep coming, and nobody to tell (no ``on_behind``: the hub's pause is
+    ``tests/test_ingest_pause.py``): what it has not written stays under
+    ``BACKLOG_BYTES`` plus one flush; the flush past that waits for it, counted, logged
+    once; the file is whole, every flush called back."""
     bound = 128 * 1024  # the stream is 333 kB, 1.3 MB four times over
     monkeypatch.setattr(recorder_mod, "BACKLOG_BYTES", bound)
     path = tmp_path / "run.rtop"

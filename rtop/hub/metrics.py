@@ -119,9 +119,20 @@ HUB_COUNTERS = {
     "spools_bad": "Spool files that could not be read (renamed .bad)",
     "spools_damaged": "Spool files taken in damaged (their whole frames before the damage "
                       "recorded)",
-    "recorder_stalls": "Times the hub waited for the recorder's process to catch up "
-                       "(it had fallen rtop.hub.recorder.BACKLOG_BYTES behind)",
-    "recorder_stalled_ms": "Milliseconds the hub waited for the recorder's process",
+    "recorder_stalls": "Times the recorder's process fell rtop.hub.recorder.BACKLOG_BYTES "
+                       "behind (the hub stopped reading its ranks until it caught up)",
+    "recorder_stalled_ms": "Milliseconds the recorder's process was that far behind",
+    "recorder_waits": "Of those, the times the hub's loop waited for it (the memory's bound "
+                      "of last resort: twice BACKLOG_BYTES)",
+    "ingest_pauses": "Times the hub stopped reading its ranks (its recorder's process "
+                     "behind)",
+    "ingest_deferred": "Reads of a rank's or relay's data that waited for a later pass of "
+                       "the hub's loop (rtop.hub.server.INGEST_SLICE_S)",
+    "ingest_behind": "Times the hub fell behind its ranks' data (no rank is taken for "
+                     "silent until it catches up)",
+    "ingest_behind_ms": "Milliseconds the hub was behind its ranks' data",
+    "ingest_paused_ms": "Milliseconds the hub did not read its ranks (no rank is taken for "
+                        "silent meanwhile)",
     "spools_pruned": "Spool files no hub recorded that the hub removed (past their time or "
                      "the spools' byte budget): their records are lost",
 }

@@ -86,11 +86,18 @@ PROCESS_BYTES_PER_S: Final = 256 * 1024
 #: A recorder process that confirms nothing for this long is taken for hung (killed).
 HUNG_S: Final = 60.0
 #: Bytes handed to the recorder's process and not yet confirmed written, above which
-#: the hub waits for it (down to half of it) before it reads more from its ranks: on
-#: a machine whose cores are all busy the process falls behind, and what it has not
-#: written would otherwise pile up in the hub's memory (600 MB a minute at 16,384
-#: ranks). The ranks keep what is not acknowledged meanwhile, as they do for a slow hub.
+#: the hub stops reading its ranks until the process has written half of them (on a
+#: machine whose cores are all busy, or a slow disk, the process falls behind, and
+#: what it has not written would otherwise pile up in the hub's memory: 600 MB a
+#: minute at 16,384 ranks). The ranks keep what is not acknowledged meanwhile, as they
+#: do for a slow hub; the hub's loop goes on (viewers, pings, acknowledgements), and no
+#: rank is taken for silent while the hub does not read (``Recorder.on_behind``).
 BACKLOG_BYTES = 64 * 1024 * 1024
+#: Past this many times :data:`BACKLOG_BYTES` (what reads already under way brought
+#: after the hub stopped reading, or a recorder with nobody to pause its input) a flush
+#: waits for the process to write half of :data:`BACKLOG_BYTES`: the memory's bound of
+#: last resort.
+HARD_BACKLOG_FACTOR: Final = 2
 #: A recorder process is started again after one died only if that one ran this long.
 RESTART_AFTER_S: Final = 60.0
 #: The most recorder processes one recording starts.
@@ -175,6 +182,7 @@ class _Process:
         self.ending = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_dead: Then | None = None
+        self._below: list[tuple[int, asyncio.AbstractEventLoop, Then]] = []
         self._out: queue.SimpleQueue[bytes | bytearray | None] = queue.SimpleQueue()
         self.send(record_proc.START, msgpack.packb(start, use_bin_type=True))
         self._threads = [threading.Thread(target=self._writing, daemon=True,
@@ -237,6 +245,24 @@ class _Process:
                     return False
                 self.lock.wait(min(left, 1.0))
             return self.backlog <= most
+
+    def when_below(self, most: int, loop: asyncio.AbstractEventLoop, fn: Then) -> bool:
+        """Call ``fn`` on ``loop`` once at most ``most`` bytes handed over are not
+        answered (or the process died); False when that holds now (call it now)."""
+        with self.lock:
+            if self.backlog <= most or self.dead is not None:
+                return False
+            self._below.append((most, loop, fn))
+            return True
+
+    def _tell_below(self) -> list[tuple[asyncio.AbstractEventLoop, Then]]:
+        """The :meth:`when_below` callbacks due now (under :attr:`lock`)."""
+        due = [(loop, fn) for most, loop, fn in self._below
+               if self.backlog <= most or self.dead is not None]
+        if due:
+            self._below = [w for w in self._below
+                           if not (self.backlog <= w[0] or self.dead is not None)]
+        return due
 
     def oldest(self) -> float | None:
         """Since when (monotonic) the oldest message not answered waits."""
@@ -301,6 +327,7 @@ class _Process:
                     done = self.pending.popleft()
                     self.backlog -= len(done.body)
                     then += done.then
+                then += self._tell_below()
                 self.lock.notify_all()
             if state.get("failed"):
                 self.on_failed(state["failed"])
@@ -319,6 +346,9 @@ class _Process:
                              else "its answers ended")
             self.lock.notify_all()
             dead, its_loop, on_dead = self.dead, self.loop, self.on_dead
+            below = self._tell_below()
+        for loop, fn in below:
+            _call_on(loop, fn)
         if dead is not None and its_loop is not None and on_dead is not None:
             _call_on(its_loop, on_dead)
 
@@ -350,9 +380,20 @@ class Recorder:
         self._process = process
         self._proc: _Process | None = None
         self._started = 0  # recorder processes started
-        #: times the hub waited for the recorder's process to catch up, and how long
+        #: called with True when the recorder's process falls :data:`BACKLOG_BYTES`
+        #: behind (the hub stops reading its ranks), with False once it has written
+        #: half of that (the hub reads again); on the event loop that flushed. Without
+        #: it, a flush that finds the process that far behind waits for it.
+        self.on_behind: Callable[[bool], None] | None = None
+        #: the process is behind: :attr:`on_behind` was told so, and not yet otherwise
+        self.behind = False
+        self._behind_since = 0.0
+        #: times the recorder's process fell behind (the hub stopped reading, or a flush
+        #: waited), and for how long in all
         self.stalls = 0
         self.stalled_s = 0.0
+        #: of those, the flushes that waited (the loop held up: the bound of last resort)
+        self.waits = 0
         self._rate_t, self._rate_bytes = time.monotonic(), 0
         blocked = head == blocks.FILE_MAGIC or (not head and not legacy)
         if blocked and not blocks.available():  # pragma: no cover - the app extra has it
@@ -491,7 +532,12 @@ class Recorder:
             return
         number = proc.send(record_proc.DATA, chunk) if chunk and not self.failed else 0
         if proc.backlog > BACKLOG_BYTES and proc.dead is None:
-            self._catch_up(proc)
+            running = _loop()
+            if self.on_behind is None or running is None \
+                    or proc.backlog > HARD_BACKLOG_FACTOR * BACKLOG_BYTES:
+                self._catch_up(proc)
+            elif not self.behind:
+                self._fall_behind(proc, running)
         if then is not None:
             assert loop is not None
             proc.loop, proc.on_dead = loop, self._check_process
@@ -500,24 +546,62 @@ class Recorder:
         if wait:
             self._wait(proc, number or proc.numbered)
 
+    def _fall_behind(self, proc: _Process, loop: asyncio.AbstractEventLoop) -> None:
+        """The recorder's process is :data:`BACKLOG_BYTES` behind: tell
+        :attr:`on_behind` (the hub stops reading its ranks) and, once the process has
+        written half of that, tell it again (see :meth:`_caught_up`). A process that
+        writes nothing meanwhile is taken for hung as ever (:meth:`_check_process`)."""
+        self.behind, self._behind_since = True, time.monotonic()
+        self.stalls += 1
+        if self.stalls == 1:
+            log.warning("rtop hub: the recorder's process fell %.0f MB behind (the "
+                        "machine's cores are busy, or its disk is slow): the hub reads its "
+                        "ranks again once it has caught up (they keep what is not "
+                        "acknowledged meanwhile; logged once, counted in recorder_stalls)",
+                        proc.backlog / 1e6)
+        if not proc.when_below(BACKLOG_BYTES // 2, loop, self._caught_up):
+            loop.call_soon(self._caught_up)
+        assert self.on_behind is not None
+        self.on_behind(True)
+
+    def _caught_up(self) -> None:
+        """The process behind has written half of :data:`BACKLOG_BYTES` (or ended): tell
+        :attr:`on_behind`."""
+        if not self.behind:
+            return
+        self.behind = False
+        self.stalled_s += time.monotonic() - self._behind_since
+        if self.on_behind is not None:
+            self.on_behind(False)
+
     def _catch_up(self, proc: _Process) -> None:
-        """The recorder's process is :data:`BACKLOG_BYTES` behind: wait for it to write
-        half of that (the hub reads nothing meanwhile: its ranks keep what is not
-        acknowledged), or take it for hung."""
+        """The recorder's process is too far behind, and nothing stops the frames coming
+        (nobody to tell, or past :data:`HARD_BACKLOG_FACTOR` times the bound): wait for
+        it to write down to half of :data:`BACKLOG_BYTES` (the hub's loop waits too;
+        :attr:`on_behind` is told, so that no rank is taken for silent meanwhile), or
+        take it for hung."""
         behind = proc.backlog
+        told = self.on_behind is not None and not self.behind
+        if told:
+            assert self.on_behind is not None
+            self.on_behind(True)
         t0 = time.monotonic()
         caught_up = proc.wait_backlog(BACKLOG_BYTES // 2)
         waited = time.monotonic() - t0
-        self.stalls += 1
-        self.stalled_s += waited
-        if self.stalls == 1:
+        self.waits += 1
+        if not self.behind:  # else counted from when it fell behind
+            self.stalls += 1
+            self.stalled_s += waited
+        if self.waits == 1:
             log.warning("rtop hub: the recorder's process fell %.0f MB behind (the "
-                        "machine's cores are busy); the hub waited %.1f s for it before "
-                        "reading on (logged once; counted in recorder_stalls)",
-                        behind / 1e6, waited)
+                        "machine's cores are busy, or its disk is slow); the hub waited "
+                        "%.1f s for it before reading on (logged once; counted in "
+                        "recorder_stalls)", behind / 1e6, waited)
         if not caught_up and proc.dead is None:
             proc.kill(f"still {proc.backlog / 1e6:.0f} MB behind after {HUNG_S:.0f} s")
         self._check_process()
+        if told and self.on_behind is not None:
+            self.on_behind(False)
 
     def _wait(self, proc: _Process, number: int) -> None:
         if number and not proc.wait(number) and proc.dead is None:
@@ -645,3 +729,4 @@ class Recorder:
             for loop, fn in h.then:
                 _call_on(loop, fn)
         self._core_failed()
+        self._caught_up()  # nothing waits for it now: the hub reads again

@@ -342,14 +342,15 @@ class RelayLinks:
         log.info("rtop hub: relay for node %r (%r) disconnected; its %d stream%s ended",
                  link.node, conn.who, n, "" if n == 1 else "s")
 
-    def tick(self, mono: float) -> None:
+    def tick(self, mono: float, deaf: bool = False) -> None:
         """Housekeeping: ping each relay now and then (it answers: alive), close one
-        silent for the hub's idle timeout."""
+        silent for the hub's idle timeout (unless the hub does not read them now,
+        ``deaf``: the silence is its own)."""
         cfg = self.hub.cfg
         for conn, link in list(self.by_conn.items()):
             if conn.closing:
                 continue
-            if mono - conn.last > cfg.idle_timeout_s:
+            if mono - conn.last > cfg.idle_timeout_s and not deaf:
                 log.warning("rtop hub: the relay of node %r (%r) sent nothing for %.0f s; "
                             "closed", link.node, conn.who, cfg.idle_timeout_s)
                 conn.close()

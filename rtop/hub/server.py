@@ -88,7 +88,14 @@ from rtop.hub.recorder import Recorder, default_record_path
 from rtop.hub.relayed import RelayLink, RelayLinks
 from rtop.hub.spool import SpoolIngest
 from rtop.run.snapshot import HubInfo, RankDetail, Snapshot
-from rtop.run.state import KIND_JOB_EXIT, KIND_LINKS, MAX_RANKS, RankState, RunState
+from rtop.run.state import (
+    KIND_INGEST,
+    KIND_JOB_EXIT,
+    KIND_LINKS,
+    MAX_RANKS,
+    RankState,
+    RunState,
+)
 from rtop.run.validate import ProtocolError, clean_identity
 
 log = logging.getLogger("rtop.hub")
@@ -198,6 +205,8 @@ class _Conn(asyncio.Protocol):
         self.ping_seq = 0
         self.next_ping = now + 0.2
         self.http = bytearray()
+        #: what was read from it and waits for its turn (see ``Hub.wait_turn``)
+        self.held = bytearray()
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -217,6 +226,20 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
+        if self.via is None and self.role in ("rank", "relay"):  # a rank's data, or a node's
+            hub = self.hub
+            if self.held or hub.ingest_paused_since is not None or hub.slice_full:
+                # read before the hub stopped reading it: kept, in order, for its turn
+                self.held += data
+                hub.wait_turn(self)
+                return
+            t0 = time.perf_counter()
+            self._received(data)
+            hub.spend(time.perf_counter() - t0)
+        else:
+            self._received(data)
+
+    def _received(self, data: bytes) -> None:
         now = time.monotonic()
         self.last = now
         self.spoke = True
@@ -329,6 +352,19 @@ class Hub:
         self._closing: asyncio.Task[None] | None = None
         self._idle_since: float | None = None
         self._last_tick: float | None = None  # the last housekeeping pass (monotonic)
+        #: since when (monotonic) the hub does not read its ranks: its recorder's process
+        #: is behind (:meth:`_recorder_behind`); None while it reads
+        self.ingest_paused_since: float | None = None
+        #: this pass of the loop has spent its :data:`INGEST_SLICE_S` on the ranks' data:
+        #: what else is read in it waits for the next (:meth:`spend`)
+        self.slice_full = False
+        self._slice_spent = 0.0
+        #: since when (monotonic) data read has waited for its turn at every pass
+        self._behind_since: float | None = None
+        #: the hub does not hear its ranks now (paused, or behind: :meth:`_update_deaf`)
+        self.deaf = False
+        #: connections holding data read but not yet handled, in the order they came
+        self._waiting: dict[_Conn, None] = {}
         self._scan_turn = 0  # which share of the connections the next pass looks at
         self.peer_log = PeerLog(self.cfg.log_every_s, self.cfg.log_summary_s)
         self.address = ""
@@ -337,7 +373,9 @@ class Hub:
                          "forbidden": 0, "unauthenticated_timeouts": 0, "busy": 0,
                          "throttled": 0, "http_timeouts": 0, "duplicate_batches": 0,
                          "internal_errors": 0, "rank_taken": 0, "rank_replaced": 0,
-                         "dead_connections": 0, "evicted": 0}
+                         "dead_connections": 0, "evicted": 0, "ingest_pauses": 0,
+                         "ingest_paused_ms": 0, "ingest_deferred": 0, "ingest_behind": 0,
+                         "ingest_behind_ms": 0}
         self.counters.update(relays=0, relay_taken=0, relay_foreign=0, relay_streams=0,
                              relay_streams_refused=0)
         #: who may connect, and what a connection may hold before it authenticates
@@ -370,6 +408,7 @@ class Hub:
             # no token is ever written, whatever a peer sends
             self.recorder = Recorder(path, info, secrets=[
                 self.token, *(self.role_token(r) for r in auth.ROLES)])
+            self.recorder.on_behind = self._recorder_behind
             info["record"] = str(path)
         self.state.run_info = info
         if self.cfg.discovery_file:  # ranks read the ingest token; viewers the master's file
@@ -440,6 +479,118 @@ class Hub:
                 self.recorder.flush(then=self._ack_later())
                 next_flush = time.monotonic() + 1.0
 
+    # ---- when the recorder falls behind ------------------------------------------------
+
+    def _recorder_behind(self, behind: bool) -> None:
+        """The recorder's process fell :data:`rtop.hub.recorder.BACKLOG_BYTES` behind
+        (``behind``): stop reading the ranks, and the relays, until it has caught up.
+        They keep what is not acknowledged meanwhile, as for a slow hub (a collector
+        drops its oldest records, and counts them, if that lasts); the loop goes on:
+        viewers are served, pings and acknowledgements sent. No rank is silent for the
+        time the hub did not read (``ingest`` frames, recorded: a replay agrees)."""
+        mono = time.monotonic()
+        if behind:
+            if self.ingest_paused_since is not None:
+                return
+            self.ingest_paused_since = mono
+            self.counters["ingest_pauses"] += 1
+            for conn in list(self._conns):
+                self.hold(conn)
+            self._update_deaf(mono)
+        elif self.ingest_paused_since is not None:
+            self.counters["ingest_paused_ms"] += round(
+                (mono - self.ingest_paused_since) * 1000)
+            self.ingest_paused_since = None
+            self._update_deaf(mono)
+            for conn in list(self._conns):
+                if conn.role in ("rank", "relay") and conn.via is None \
+                        and conn not in self._waiting \
+                        and conn.transport is not None and not conn.closing:
+                    conn.transport.resume_reading()
+            self._drain()
+
+    def hold(self, conn: _Conn) -> None:
+        """Stop reading ``conn`` while the hub's ingest is paused (a rank's own
+        connection, or a relay's: the ranks behind it wait with it)."""
+        if conn.role in ("rank", "relay") and conn.via is None \
+                and conn.transport is not None and not conn.closing:
+            conn.transport.pause_reading()
+
+    def spend(self, seconds: float) -> None:
+        """``seconds`` of this pass went to a rank's (or relay's) data. Past
+        :data:`INGEST_SLICE_S` what else is read in the pass waits for the next
+        (:meth:`wait_turn`): a viewer's request, the housekeeping and the other
+        connections get their turn between slices, so that a hub behind on its ranks
+        (data piled up in every socket after a pause, or a load beyond its core) answers
+        in a fraction of a second rather than after a pass of many seconds."""
+        self._slice_spent += seconds
+        if self._slice_spent > INGEST_SLICE_S and not self.slice_full:
+            self.slice_full = True
+            asyncio.get_running_loop().call_soon(self._next_slice)
+
+    def wait_turn(self, conn: _Conn) -> None:
+        """``conn`` holds data it read that waits (the hub pauses its ingest, or this
+        pass's slice is spent): it reads no more until its turn comes (:meth:`_drain`)."""
+        if conn not in self._waiting:
+            self._waiting[conn] = None
+            self.counters["ingest_deferred"] += 1
+        if conn.transport is not None and not conn.closing:
+            conn.transport.pause_reading()
+
+    def _next_slice(self) -> None:
+        """A new pass of the loop: a new slice for the ranks' data, the waiting first."""
+        self.slice_full, self._slice_spent = False, 0.0
+        self._drain()
+
+    def _drain(self) -> None:
+        """Handle what waiting connections hold, oldest first, while the slice lasts
+        (and the ingest is not paused); each one done reads again."""
+        while self._waiting and not self.slice_full and self.ingest_paused_since is None:
+            conn = next(iter(self._waiting))
+            del self._waiting[conn]
+            if conn.closing:
+                continue
+            data, conn.held = bytes(conn.held), bytearray()
+            if data:
+                conn.data_received(data)
+            if not conn.held and not conn.closing and conn.transport is not None:
+                conn.transport.resume_reading()
+
+    def _update_deaf(self, mono: float) -> None:
+        """The hub does not hear its ranks while its ingest is paused or it is behind
+        on what they sent (connections wait with data read and not handled, at a
+        housekeeping pass): the state, and the recording, are told when that begins and
+        ends (``KIND_INGEST``), so that no rank is silent for that time, live or in a
+        replay; the connections' own silence checks wait too."""
+        deaf = self.ingest_paused_since is not None or self._behind_since is not None
+        if deaf == self.deaf:
+            return
+        self.deaf = deaf
+        if not deaf:
+            self._heard_again(mono)
+        self._say_ingest(paused=deaf)
+
+    def _heard_again(self, mono: float) -> None:
+        """The hub hears its ranks again after a while it could not: their silence
+        meanwhile, and a frame half read, were not theirs."""
+        for conn in self._conns:
+            if conn.partial_since is not None:
+                conn.partial_since = mono
+            if conn.role in ("rank", "relay"):
+                conn.last = max(conn.last, mono)
+
+    def _say_ingest(self, paused: bool, since: float | None = None) -> None:
+        """Tell the state (and the recording) that the hub stopped hearing its ranks,
+        or hears them again (``since``: deaf since then, a stall it learns of after the
+        fact) (``KIND_INGEST``)."""
+        now = time.time()
+        payload: dict[str, Any] = {"paused": paused}
+        if since is not None:
+            payload["since"] = since
+        self.monitor.apply(wire.Frame(KIND_INGEST, payload), now)
+        if self.recorder is not None:
+            self.recorder.frame(KIND_INGEST, payload, now)
+
     def _ack_ranks(self) -> None:
         """Tell each rank the last batch this hub holds (recorded and flushed, when it
         records): the rank forgets the frames it kept to send again (``ack``)."""
@@ -463,12 +614,26 @@ class Hub:
     def _housekeep(self, mono: float, now: float) -> None:
         cfg = self.cfg
         if self._last_tick is not None and mono - self._last_tick > BUSY_S:
-            # the hub was too busy to read for a while: a frame it has half of may have
-            # its rest waiting in the kernel; what that cost is not the peer's delay
-            for conn in self._conns:
-                if conn.partial_since is not None:
-                    conn.partial_since = mono
+            # the hub was too busy to read for a while (its loop held up): a frame it has
+            # half of may have its rest waiting in the kernel, and the ranks' silence
+            # meanwhile was the hub's deafness; neither is the peers' doing
+            self._heard_again(mono)
+            if not self.deaf:
+                self._say_ingest(paused=False, since=now - (mono - self._last_tick))
         self._last_tick = mono
+        # behind on its ranks: data read waits for its turn (see spend) at this pass
+        if self._waiting and self._behind_since is None:
+            self._behind_since = mono
+            self.counters["ingest_behind"] += 1
+            if self.counters["ingest_behind"] == 1:
+                log.warning("rtop hub: behind on its ranks' data (more than one core's "
+                            "worth, or a burst): no rank is taken for silent until it has "
+                            "caught up (logged once; counted in ingest_behind)")
+        elif not self._waiting and self._behind_since is not None:
+            self.counters["ingest_behind_ms"] += round((mono - self._behind_since) * 1000)
+            self._behind_since = None
+        self._update_deaf(mono)
+        deaf = self.deaf
         conns = list(self._conns)
         if len(conns) > SCAN_PER_TICK:
             # thousands of ranks: each pass looks at a share of the connections, in turn
@@ -491,7 +656,7 @@ class Hub:
                               "within %.0f s; closed", conn.who, cfg.http_deadline_s)
                 conn.close()
             elif conn.partial_since is not None and mono - conn.partial_since > \
-                    cfg.frame_timeout_s:
+                    cfg.frame_timeout_s and not deaf:
                 self._bad(conn, wire.WireError(
                     f"half a frame: {conn.dec.pending} bytes of a frame, the rest not sent "
                     f"within {cfg.frame_timeout_s:.0f} s"))
@@ -500,7 +665,9 @@ class Hub:
                 self.peer_log(conn.addr, "rtop hub: %r did not authenticate within %.0f s; "
                               "closed", conn.who, cfg.auth_timeout_s)
                 conn.close()
-            elif conn.alive_by is not None and mono >= conn.alive_by:
+            elif conn.alive_by is not None and mono >= conn.alive_by and not deaf:
+                # (while the hub does not read, nobody can show it is alive: see
+                # _recorder_behind; nor is a rank silent then)
                 if conn.last > conn.alive_asked:
                     conn.alive_by = None  # it is alive: the claim stays refused
                 else:
@@ -510,7 +677,7 @@ class Hub:
                                 "dead", f"rank {conn.rank.rank}" if conn.rank else
                                 f"the {conn.role}", conn.who, TAKEN_LIVENESS_S)
                     conn.close()
-            elif conn.role == "rank" and mono - conn.last > cfg.idle_timeout_s:
+            elif conn.role == "rank" and mono - conn.last > cfg.idle_timeout_s and not deaf:
                 log.warning("rtop hub: rank %s (%r) sent nothing for %.0f s; closed",
                             conn.rank.rank if conn.rank else "?", conn.who,
                             cfg.idle_timeout_s)
@@ -519,7 +686,7 @@ class Hub:
                 self._ping(conn, now)
         self.admission.tick(mono)
         self.actions.tick(mono)
-        self.relays.tick(mono)
+        self.relays.tick(mono, deaf)
         if self.spools is not None:
             self.spools.tick(mono)
         # the diagnosis takes at most its share of the core (less often at thousands of
@@ -840,6 +1007,7 @@ class Hub:
         rank's without a goodbye: the rank is lost as of now, and how is noted (the
         first of several to go is the culprit: rtop.analysis.detectors.lost_rank)."""
         self._conns.discard(conn)
+        self._waiting.pop(conn, None)  # what it held goes with it (never acknowledged)
         self.admission.release(conn)
         holder = self._rank_conns.get(conn.slot) if conn.slot is not None else None
         if holder is conn and conn.slot is not None:
@@ -906,7 +1074,8 @@ class Hub:
         spools = self.spools.counters if self.spools is not None else {}
         rec = self.recorder
         recording = {"recorder_stalls": rec.stalls,
-                     "recorder_stalled_ms": round(rec.stalled_s * 1000)} if rec else {}
+                     "recorder_stalled_ms": round(rec.stalled_s * 1000),
+                     "recorder_waits": rec.waits} if rec else {}
         return self.monitor.snapshot(hub=HubInfo(
             address=self.address, counters={**self.counters, **spools, **recording},
             record=str(self.recorder.path) if self.recorder else None))
@@ -1118,6 +1287,9 @@ class Hub:
 
 #: Housekeeping runs every 0.25 s; a pass this much later means the hub was busy.
 BUSY_S = 2.0
+#: The most of one pass of the hub's loop that goes to the ranks' data before the rest
+#: read in that pass waits for the next (:meth:`Hub.spend`).
+INGEST_SLICE_S = 0.05
 #: Connections one housekeeping pass looks at (timeouts, pings): with more, each pass
 #: looks at a share of them in turn (at 16,384 ranks each every 2 s), so that no pass
 #: stalls the loop on a Python loop over every rank.

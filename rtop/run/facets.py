@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from collectors import wire
-from rtop.run.state import KIND_JOB_EXIT, KIND_LINKS
+from rtop.run.state import KIND_INGEST, KIND_JOB_EXIT, KIND_LINKS
 
 #: Ranks (by group and rank) a :class:`Facets` keeps at most.
 MAX_KEYS: Final = 1 << 16
@@ -85,7 +85,7 @@ class Facets:
         """A frame of the run, at its place ``order`` (comparable with every other
         frame's) and hub time ``t_hub``."""
         kind, p = frame.kind, frame.payload
-        if kind in (wire.KIND_RUN, KIND_JOB_EXIT, KIND_LINKS):
+        if kind in (wire.KIND_RUN, KIND_JOB_EXIT, KIND_LINKS, KIND_INGEST):
             self._put(self._run, kind, (order, t_hub, frame))
             return
         if kind == "conn" and p.get("event") != "close":

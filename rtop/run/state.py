@@ -150,6 +150,16 @@ PER_STEP_BEST_MIN_RANKS: Final = 64
 #: whose ranks it watches has exited (``rtop run`` tells its own hub):
 #: ``{"code": int, "exited_at": hub time}``, the code as a shell reports it.
 KIND_JOB_EXIT: Final = "job_exit"
+#: A frame the hub writes (never a rank) when it stops hearing its ranks, and again
+#: when it hears them again: ``{"paused": bool}``, and ``"since"`` (hub time) when it
+#: learns after the fact that it did not hear them (its loop was held up). The hub stops
+#: reading its ranks while the recorder's process is far behind (``rtop.hub.recorder``)
+#: and does not hear them while it is behind on what they sent. A rank is not silent for
+#: time the hub did not hear it: the hub's deaf spans are taken out of its silence
+#: (:meth:`RunState.tick`), live and in a replay alike.
+KIND_INGEST: Final = "ingest"
+#: The hub's deaf spans kept (the oldest forgotten first; a rank's silence is seconds).
+MAX_DEAF_SPANS: Final = 256
 #: Ranks of the current attempt lost at most this long before their command exited 0
 #: ended with the job: their processes finished (``os._exit(0)`` skips the goodbye), the
 #: launcher noticed, and its exit reached ``rtop run`` (torchrun looks every 0.1 s, 5 s
@@ -414,6 +424,11 @@ class RunState:
         #: grows with every rank's meta update (what the analysis reads of the metas, a
         #: rank's process groups, is read again only then)
         self.meta_version = 0
+        #: since when (hub time) the hub does not hear its ranks (None: it does; an
+        #: ``ingest`` frame says: :data:`KIND_INGEST`)
+        self.deaf_since: float | None = None
+        #: the hub's past deaf spans, ``(from, to)`` in hub time, oldest first
+        self.deaf_spans: deque[tuple[float, float]] = deque(maxlen=MAX_DEAF_SPANS)
 
     # ---- attempts, ranks, slots -----------------------------------------------------
 
@@ -662,6 +677,10 @@ class RunState:
                 if peer is not None:
                     raise ProtocolError("a rank may not say how its command exited")
                 self.on_job_exit(p, t_hub)
+            elif kind == KIND_INGEST:
+                if peer is not None:
+                    raise ProtocolError("a rank may not say when the hub reads")
+                self.on_ingest(p, t_hub)
             # clock frames and unknown kinds only move time forward
         return rs
 
@@ -921,21 +940,66 @@ class RunState:
         lost_at = rs.lost_at if rs.lost_at is not None else rs.last_seen
         ended.since = lost_at if ended.since is None else min(ended.since, lost_at)
 
+    @property
+    def deaf(self) -> bool:
+        """The hub does not hear its ranks now."""
+        return self.deaf_since is not None
+
+    def on_ingest(self, p: dict[str, Any], t_hub: float) -> None:
+        """The hub stopped hearing its ranks (``paused``), or hears them again (and did
+        not since ``since``, if said) (see :data:`KIND_INGEST`)."""
+        paused = p.get("paused")
+        if type(paused) is not bool:
+            raise ProtocolError(f"ingest without a true or false 'paused' (got "
+                                f"{described(paused)})")
+        since = check_number("ingest: 'since'", p.get("since"))
+        last = self.deaf_spans[-1][1] if self.deaf_spans else -math.inf
+        if paused:
+            if self.deaf_since is None:
+                self.deaf_since = max(t_hub, last)
+            return
+        start = self.deaf_since if self.deaf_since is not None else since
+        self.deaf_since = None
+        if start is not None and min(max(start, last), t_hub) < t_hub:
+            self.deaf_spans.append((min(max(start, last), t_hub), t_hub))
+
+    def deaf_within(self, a: float, b: float) -> float:
+        """Seconds between hub times ``a`` and ``b`` the hub did not hear its ranks."""
+        total = 0.0
+        if self.deaf_since is not None and self.deaf_since < b:
+            total += b - max(a, self.deaf_since)
+        for start, end in reversed(self.deaf_spans):
+            if end <= a:
+                break
+            total += max(0.0, min(end, b) - max(start, a))
+        return total
+
+    def _silent(self, rs: RankState, t_hub: float) -> float | None:
+        """When an active rank became silent (``lost_after_s`` heard without a frame
+        from it, the hub's deaf spans not counted), if it is by ``t_hub``."""
+        if rs.status != "active" or t_hub - rs.last_seen <= self.lost_after_s:
+            return None
+        deaf = self.deaf_within(rs.last_seen, t_hub) if self.deaf_spans else 0.0
+        if t_hub - rs.last_seen - deaf <= self.lost_after_s:
+            return None
+        return rs.last_seen + self.lost_after_s + deaf
+
     def tick(self, t_hub: float) -> list[RankState]:
-        """Mark silent ranks lost; returns the ranks newly marked."""
+        """Mark silent ranks lost; returns the ranks newly marked. A rank is silent once
+        ``lost_after_s`` passed since its last frame, the time the hub did not hear its
+        ranks not counted (:data:`KIND_INGEST`); none is while it does not."""
         self.now = max(self.now, t_hub)
-        newly = []
+        newly: list[RankState] = []
+        if self.deaf:
+            return newly
         for rs in self.active_ranks():
-            if rs.status == "active" and t_hub - rs.last_seen > self.lost_after_s:
-                rs.status = "lost"
-                rs.lost_at = rs.last_seen + self.lost_after_s
-                rs.lost_how = "silent"
+            if (at := self._silent(rs, t_hub)) is not None:
+                rs.status, rs.lost_at, rs.lost_how = "lost", at, "silent"
                 newly.append(rs)
         for att in list(self.pending.values()):
             for rs in att.ranks.values():
-                if rs.status == "active" and t_hub - rs.last_seen > self.lost_after_s:
-                    rs.status, rs.lost_how = "lost", "silent"
-                    rs.lost_at = rs.last_seen + self.lost_after_s
+                if (at := self._silent(rs, t_hub)) is not None:
+                    rs.status, rs.lost_at, rs.lost_how = "lost", at, "silent"
         if self.pending:
             self._settle(t_hub)
         return newly
