@@ -458,17 +458,13 @@ def straggler(ctx: Context, starved: set[int]) -> Finding | None:
             & (np.isnan(step) | (excess >= cfg.straggler_min_share * k * step)) \
             & (fraction >= cfg.straggler_min_fraction * k)
         cand = np.flatnonzero(hit)
-        if cand.size and w.lookback is not None:  # how long their slow steps lasted
+        if cand.size:  # how long their slow steps lasted
             back = w.lookback(cand)
             back_comp, back_step = back[:, :, 0], back[:, :, 1]
             lasted = peers.slow_stretch_s(
                 slow(back_comp, back_step, cand), ~np.isnan(back_comp),
                 np.fmax(back_step, back_comp), cfg.straggler_break_steps)
             hit[cand] &= lasted >= cfg.straggler_min_s * k[cand]
-        elif cand.size:  # no look-back (a window built by hand): its recent steps
-            hit &= np.nansum(np.where(slow_step & valid, np.fmax(w.recent["step_s"],
-                                                                 per_step), 0.0),
-                             axis=1) >= cfg.straggler_min_s * k
     flagged = np.flatnonzero(hit).tolist()
     if len(flagged) > max(1, int(cfg.straggler_max_share * ok.sum())):
         return None  # most ranks "slow" is no straggler: the others are fast

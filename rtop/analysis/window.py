@@ -74,7 +74,7 @@ class Window:
     #: longer look-back than ``recent``'s, for how long a straggler's slow steps have
     #: lasted when its steps are too fast for ``recent`` to hold 1.5 s. Read when asked,
     #: for the few ranks that need it (a window of thousands of ranks does not read it)
-    lookback: Callable[[np.ndarray], np.ndarray] | None = None
+    lookback: Callable[[np.ndarray], np.ndarray]
     #: per rank, its peer class: its pipeline stage, or ``roles.NO_STAGE`` (ranks are
     #: compared with the peers of their own class: ``rtop.analysis.roles``)
     peer_class: np.ndarray | None = None
