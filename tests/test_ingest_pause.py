@@ -221,6 +221,7 @@ def test_the_hub_pauses_its_ranks_for_a_recorder_behind_and_loses_none(
             answered = time.monotonic() - t0
         assert answered < 2.0 and hub.call(lambda h: h.ingest_paused_since is not None)
         assert snap["hub"]["counters"]["ingest_pauses"] == 1
+        assert snap["run"]["deaf_s"] >= 0.0  # the viewer is told the hub does not hear
         time.sleep(max(0.0, stopped + 5.0 - time.monotonic()))
         status = hub.call(lambda h: {rs.rank: rs.status for rs in h.state.active_ranks()})
         assert status == {0: "active", 1: "active"}  # 5 s unheard, none silent
@@ -342,3 +343,26 @@ def test_data_that_waits_for_its_turn_arrives_whole_and_in_order(tmp_path: Path,
         seqs = [f.payload["seq"] for f in frames
                 if f.kind == wire.KIND_BATCH and f.payload.get("rank") == r]
         assert seqs == list(range(1, last[r] + 1))  # each once, in order
+
+
+async def test_the_header_says_when_the_hub_does_not_hear_its_ranks():
+    """A snapshot taken while the hub did not hear its ranks for 12 s (``run.deaf_s``)
+    says so in the header, in the real app; a moment of it (0.3 s) is not said."""
+    from rtop.tui.app import make_app
+    from rtop.tui.header import JobHeader
+    from rtop.tui.source import StaticSource
+    from tests.test_tui import fixture_source
+
+    base = fixture_source("starved", 22.0)
+    for deaf, shown in ((12.0, True), (0.3, False)):  # (0:00 is never said)
+        snap = dict(base.snapshots[0])
+        snap["run"] = {**snap["run"], "deaf_s": deaf}
+        app = make_app(StaticSource([snap], base.details, title="deaf"))
+        async with app.run_test(size=(160, 32)) as pilot:
+            deadline = time.monotonic() + 10
+            while app.snapshots_seen == 0:
+                assert time.monotonic() < deadline
+                await pilot.pause(0.05)
+            text = str(app.query_one(JobHeader).render())
+        assert ("hub behind its ranks' data for 0:12: figures lag" in text) == shown, text
+        assert ("hub behind" in text) == shown, text

@@ -47,6 +47,10 @@ class RunInfo(TypedDict):
     bad_frames: int
     hub: NotRequired[dict[str, Any]]  # version, address, pid and start time of the hub
     record: NotRequired[str]  # the recording's path, when the hub records
+    #: how long the hub has not heard its ranks, while it does not (it pauses for its
+    #: recorder, or is behind on what they sent): the figures lag, and no rank is taken
+    #: for silent meanwhile (``rtop.run.state.KIND_INGEST``)
+    deaf_s: NotRequired[float]
 
 
 class RankColumns(TypedDict):

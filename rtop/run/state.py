@@ -1165,6 +1165,8 @@ class RunState:
             run["hub"] = self.run_info["hub"]
         if isinstance(self.run_info.get("record"), str):
             run["record"] = safe_text(self.run_info["record"], 4096)
+        if self.deaf_since is not None:
+            run["deaf_s"] = max(0.0, now - self.deaf_since)
         return RunView(t_hub=now, run=run, ranks=cast(RankColumns, cols),
                        # per node: the worst rank's figure (slowest step, longest wait, ...)
                        nodes=self._nodes(ranks, med), build_s=time.perf_counter() - t0)

@@ -31,6 +31,11 @@ def throughput_text(rates: Throughput) -> Text:
     return text
 
 
+#: The hub not hearing its ranks for this long is said in the header (a moment of it,
+#: a burst of data, is not).
+DEAF_SHOWN_S = 1.0
+
+
 def fmt_count(x: float) -> str:
     """A large rate, short: 950, 12.3k, 4.56M."""
     for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -73,6 +78,10 @@ class JobHeader(Static):
         if self.source_text:
             line1.append(f"  {safe_text(self.source_text, 300)}",
                          "bold red" if self.source_error else "dim")
+        deaf = snap["run"].get("deaf_s")
+        if isinstance(deaf, (int, float)) and deaf >= DEAF_SHOWN_S:
+            line1.append(f"  hub behind its ranks' data for {fmt_duration(deaf)}: figures "
+                         f"lag, no rank judged silent", "bold yellow")
         line2 = Text(no_wrap=True, overflow="ellipsis")
         world = j.world or j.seen
         if j.active == 0 and j.seen and not j.lost:
