@@ -359,6 +359,9 @@ class Hub:
         #: what else is read in it waits for the next (:meth:`spend`)
         self.slice_full = False
         self._slice_spent = 0.0
+        self._slice_open = False  # a new slice is due at the next pass (_next_slice)
+        #: since when (monotonic) housekeeping passes have found data waiting its turn
+        self._waiting_since: float | None = None
         #: since when (monotonic) data read has waited for its turn at every pass
         self._behind_since: float | None = None
         #: the hub does not hear its ranks now (paused, or behind: :meth:`_update_deaf`)
@@ -523,10 +526,12 @@ class Hub:
         connections get their turn between slices, so that a hub behind on its ranks
         (data piled up in every socket after a pause, or a load beyond its core) answers
         in a fraction of a second rather than after a pass of many seconds."""
-        self._slice_spent += seconds
-        if self._slice_spent > INGEST_SLICE_S and not self.slice_full:
-            self.slice_full = True
+        if not self._slice_open:  # the pass's first: the next pass starts a new slice
+            self._slice_open = True
             asyncio.get_running_loop().call_soon(self._next_slice)
+        self._slice_spent += seconds
+        if self._slice_spent > INGEST_SLICE_S:
+            self.slice_full = True
 
     def wait_turn(self, conn: _Conn) -> None:
         """``conn`` holds data it read that waits (the hub pauses its ingest, or this
@@ -539,7 +544,7 @@ class Hub:
 
     def _next_slice(self) -> None:
         """A new pass of the loop: a new slice for the ranks' data, the waiting first."""
-        self.slice_full, self._slice_spent = False, 0.0
+        self.slice_full, self._slice_spent, self._slice_open = False, 0.0, False
         self._drain()
 
     def _drain(self) -> None:
@@ -621,15 +626,21 @@ class Hub:
             if not self.deaf:
                 self._say_ingest(paused=False, since=now - (mono - self._last_tick))
         self._last_tick = mono
-        # behind on its ranks: data read waits for its turn (see spend) at this pass
-        if self._waiting and self._behind_since is None:
+        # behind on its ranks: data read has waited its turn (see spend) at every
+        # housekeeping pass for half a second (one long pass, a burst, is not)
+        if not self._waiting:
+            self._waiting_since = None
+        elif self._waiting_since is None:
+            self._waiting_since = mono
+        if self._waiting_since is not None and mono - self._waiting_since >= BEHIND_S \
+                and self._behind_since is None:
             self._behind_since = mono
             self.counters["ingest_behind"] += 1
             if self.counters["ingest_behind"] == 1:
                 log.warning("rtop hub: behind on its ranks' data (more than one core's "
                             "worth, or a burst): no rank is taken for silent until it has "
                             "caught up (logged once; counted in ingest_behind)")
-        elif not self._waiting and self._behind_since is not None:
+        elif self._waiting_since is None and self._behind_since is not None:
             self.counters["ingest_behind_ms"] += round((mono - self._behind_since) * 1000)
             self._behind_since = None
         self._update_deaf(mono)
@@ -1290,6 +1301,9 @@ BUSY_S = 2.0
 #: The most of one pass of the hub's loop that goes to the ranks' data before the rest
 #: read in that pass waits for the next (:meth:`Hub.spend`).
 INGEST_SLICE_S = 0.05
+#: Data waiting its turn at every housekeeping pass for this long: the hub is behind on
+#: its ranks, and does not hear them (``Hub._update_deaf``).
+BEHIND_S = 0.5
 #: Connections one housekeeping pass looks at (timeouts, pings): with more, each pass
 #: looks at a share of them in turn (at 16,384 ranks each every 2 s), so that no pass
 #: stalls the loop on a Python loop over every rank.
