@@ -36,7 +36,7 @@ from rtop.hub.service import ThreadedHub
 from rtop.run.recording import read, replay
 from rtop.run.state import KIND_INGEST, ProtocolError, RunState
 from tests import reliability, waiting
-from tests.rankclient import RankClient, identity, step_row
+from tests.rankclient import RankClient, hb_row, identity, step_row
 
 
 def _hello(rank: int) -> wire.Frame:
@@ -86,6 +86,35 @@ def test_a_stall_learnt_after_the_fact_and_short_deaf_spans():
         lost = state.tick(t)
         lost_at = t if lost else None
     assert lost_at is not None and 120.0 <= lost_at <= 122.0, lost_at
+
+
+def test_no_rank_is_stuck_in_its_phase_for_what_the_hub_did_not_hear():
+    """The hung-rank detector reads how long a rank has been in its phase as its last
+    heartbeat's age plus the time since: the hub's deaf time is not counted, else a
+    minute of deafness would make every rank hung; a rank that is stuck still is."""
+    from rtop.analysis import window
+
+    def state_at(deaf: bool) -> RunState:
+        state = RunState(lost_after_s=10.0)
+        for r in (0, 1):
+            state.apply(_hello(r), 100.0)
+            state.apply(wire.Frame(wire.KIND_BATCH, {
+                "rank": r, "group": "g0", "seq": 1, "steps": [step_row(1)],
+                "hb": [hb_row("compute", 0.2, 1)]}), 100.0)
+        if deaf:
+            state.apply(wire.Frame(KIND_INGEST, {"paused": True}), 101.0)
+            state.apply(wire.Frame(KIND_INGEST, {"paused": False}), 160.0)
+        return state
+
+    cfg = AnalysisConfig.load()
+    heard = window.take(state_at(deaf=True), cfg, now=161.0).phase_age_s
+    assert heard.tolist() == pytest.approx([2.2, 2.2])  # 0.2 + 1 + 1 heard
+    unheard = window.take(state_at(deaf=False), cfg, now=161.0).phase_age_s
+    assert unheard.tolist() == pytest.approx([61.2, 61.2])  # the test can fail
+    still = state_at(deaf=True)
+    still.apply(wire.Frame(KIND_INGEST, {"paused": True}), 161.0)  # deaf again, now
+    assert window.take(still, cfg, now=170.0).phase_age_s.tolist() == pytest.approx(
+        [2.2, 2.2])
 
 
 def test_only_the_hub_says_when_it_reads():

@@ -476,8 +476,9 @@ class Taking:
         lat = {f: latest[:, i] for f, i in _LATEST.items()}
         # how long each rank has been in its phase: as of its last heartbeat, plus since
         last_seen = np.fromiter(map(_LAST_SEEN, ranks), dtype=np.float64, count=n)
+        # (the hub's deaf time not counted: a rank is not stuck for what it was not heard)
         phase_age = (latest[:, _LATEST["phase_s"]] if n else np.empty(0)) + np.maximum(
-            0.0, t - last_seen)
+            0.0, t - last_seen - state.deaf_within_each(last_seen, t))
         status = list(map(_STATUS, ranks))
         key = (state.meta_version, slots.tobytes(), members.rank.tobytes())
         classes, tensor_rank = (cache.role_cache.of(members.metas, key) if cache is not None

@@ -963,6 +963,20 @@ class RunState:
         if start is not None and min(max(start, last), t_hub) < t_hub:
             self.deaf_spans.append((min(max(start, last), t_hub), t_hub))
 
+    def deaf_within_each(self, since: np.ndarray, b: float) -> np.ndarray:
+        """:meth:`deaf_within` from each of ``since`` to ``b`` (zeros when the hub
+        always heard)."""
+        total = np.zeros(len(since))
+        if not len(since) or (not self.deaf_spans and self.deaf_since is None):
+            return total
+        first = float(np.nanmin(since)) if not np.isnan(since).all() else -math.inf
+        spans = [sp for sp in self.deaf_spans if sp[1] > first]
+        if self.deaf_since is not None:
+            spans.append((self.deaf_since, b))
+        for start, end in spans:
+            total += np.maximum(0.0, np.minimum(end, b) - np.maximum(start, since))
+        return total
+
     def deaf_within(self, a: float, b: float) -> float:
         """Seconds between hub times ``a`` and ``b`` the hub did not hear its ranks."""
         total = 0.0
