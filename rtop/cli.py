@@ -668,6 +668,10 @@ def format_snapshot(snap: Snapshot) -> str:
     lines = [f"job {run.get('job') or '(unnamed)'}  attempt {run.get('attempt')}  "
              f"world {run.get('world_size')}  ranks seen {run.get('ranks_seen')}  "
              f"up {run.get('uptime_s', 0):.0f} s  at {time.strftime('%H:%M:%S')}"]
+    deaf = run.get("deaf_s")
+    if isinstance(deaf, (int, float)):
+        lines.append(f"~ the hub is behind its ranks' data ({deaf:.0f} s unheard): the "
+                     f"figures lag, and no rank is judged silent meanwhile")
     for finding in snap.get("findings") or []:
         lines.append(f"! {finding.get('kind')}: {finding.get('summary')}")
     # then one column per figure shown in ``rtop status`` (``collectors.figures``)

@@ -28,6 +28,7 @@ import pytest
 from collectors import wire
 from rtop import fleetsim
 from rtop.analysis import AnalysisConfig, Monitor
+from rtop.cli import format_snapshot
 from rtop.client import HubClient
 from rtop.hub import recorder as recorder_mod
 from rtop.hub import server as server_mod
@@ -251,6 +252,7 @@ def test_the_hub_pauses_its_ranks_for_a_recorder_behind_and_loses_none(
         assert answered < 2.0 and hub.call(lambda h: h.ingest_paused_since is not None)
         assert snap["hub"]["counters"]["ingest_pauses"] == 1
         assert snap["run"]["deaf_s"] >= 0.0  # the viewer is told the hub does not hear
+        assert "the hub is behind its ranks' data" in format_snapshot(snap)  # rtop status
         time.sleep(max(0.0, paused + 4.0 - time.monotonic()))
         status = hub.call(lambda h: {rs.rank: rs.status for rs in h.state.active_ranks()})
         assert status == {0: "active", 1: "active"}  # 4 s unheard, none silent
