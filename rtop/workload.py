@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -428,6 +429,14 @@ def main(argv: list[str] | None = None) -> None:
     host, port = parse_address(args.master)
     _rank_main(args.rank, WorkloadSpec.from_json(args.spec), port, args.out, host,
                args.local_rank)
+    # done: results written, the probe closed, the process group destroyed. Leave as a
+    # forked rank does (run_local), without the interpreter's teardown: gloo's threads
+    # may still be winding down then, and the process aborts ("terminate called without
+    # an active exception", pytorch/pytorch#190489; seen in CI on the job run without
+    # rtop at all, 1 run in ~20)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
