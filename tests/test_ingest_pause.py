@@ -206,6 +206,58 @@ def test_a_recorder_behind_tells_the_hub_and_does_not_hold_its_loop(tmp_path, mo
     assert written[-1].kind == "end"
 
 
+class _Streams:
+    """Ranks connected to a hub (:class:`RankClient`, handshake done), each streaming
+    batches of ``rows`` step records every ``every_s`` from a thread of its own."""
+
+    def __init__(self, hub: ThreadedHub, world: int, rows: int, every_s: float) -> None:
+        self.hub, self.rows, self.every_s = hub, rows, every_s
+        self.ranks = [RankClient(hub.address, hub.token, r, world=world)
+                      for r in range(world)]
+        self.sent = dict.fromkeys(range(world), 0)
+        self.stopped = threading.Event()
+        for rc in self.ranks:
+            welcome = rc.recv()
+            assert welcome is not None and welcome.kind == wire.KIND_WELCOME
+        self.threads = [threading.Thread(target=self._stream, args=(rc,), daemon=True)
+                        for rc in self.ranks]
+        for t in self.threads:
+            t.start()
+
+    def _stream(self, rc: RankClient) -> None:
+        while not self.stopped.is_set():
+            self.sent[rc.rank] += 1
+            seq = self.sent[rc.rank]
+            rc.send(wire.KIND_BATCH, {"rank": rc.rank, "group": rc.group, "seq": seq,
+                                      "steps": [step_row(seq * self.rows + i)
+                                                for i in range(self.rows)]})
+            time.sleep(self.every_s)
+
+    def stop(self) -> dict[int, int]:
+        """Stop sending; once the hub holds every batch sent, how many each rank sent."""
+        self.stopped.set()
+        for t in self.threads:
+            t.join(5)
+        last = dict(self.sent)
+        waiting.wait_for(lambda: self.hub.call(lambda h: [
+            rs.last_seq for rs in sorted(h.state.active_ranks(), key=lambda rs: rs.rank)])
+            == [last[r] for r in sorted(last)], timeout=20, what="every batch sent")
+        return last
+
+    def close(self) -> None:
+        self.stopped.set()
+        for rc in self.ranks:
+            rc.close()
+
+
+def _each_once_in_order(frames: list[wire.Frame], last: dict[int, int]) -> None:
+    """Every batch each rank sent (``last[rank]`` of them) is recorded once, in order."""
+    for r, n in last.items():
+        seqs = [f.payload["seq"] for f in frames
+                if f.kind == wire.KIND_BATCH and f.payload.get("rank") == r]
+        assert seqs == list(range(1, n + 1)), r
+
+
 def test_the_hub_pauses_its_ranks_for_a_recorder_behind_and_loses_none(
         tmp_path: Path, monkeypatch, caplog):
     """A live hub whose recorder's process stops (SIGSTOP) while two ranks send ten
@@ -219,25 +271,9 @@ def test_the_hub_pauses_its_ranks_for_a_recorder_behind_and_loses_none(
     path = tmp_path / "run.rtop"
     hub = ThreadedHub(record=str(path), token="pause-token-0123456789",
                       lost_after_s=2.0).start()
-    ranks = [RankClient(hub.address, hub.token, r, world=2) for r in (0, 1)]
-    stop = threading.Event()
-    sent = {0: 0, 1: 0}
-
-    def stream(rc: RankClient) -> None:
-        while not stop.is_set():
-            sent[rc.rank] += 1
-            seq = sent[rc.rank]
-            rc.send(wire.KIND_BATCH, {"rank": rc.rank, "group": rc.group, "seq": seq,
-                                      "steps": [step_row(seq * 10 + i) for i in range(10)]})
-            time.sleep(0.1)
-
-    threads = [threading.Thread(target=stream, args=(rc,), daemon=True) for rc in ranks]
+    streams = _Streams(hub, world=2, rows=10, every_s=0.1)
+    sent = streams.sent
     try:
-        for rc in ranks:
-            welcome = rc.recv()
-            assert welcome is not None and welcome.kind == wire.KIND_WELCOME
-        for t in threads:
-            t.start()
         pid = waiting.wait_for(lambda: hub.call(lambda h: h.recorder.process_pid),
                                timeout=10, what="the recorder's process")
         os.kill(pid, signal.SIGSTOP)
@@ -269,17 +305,9 @@ def test_the_hub_pauses_its_ranks_for_a_recorder_behind_and_loses_none(
         findings = hub.call(lambda h: [f["kind"] for f in h.monitor.findings])
         counters = hub.call(lambda h: dict(h.counters))
         logged = [r.getMessage() for r in caplog.records]
-        stop.set()
-        for t in threads:
-            t.join(5)
-        last = dict(sent)
-        waiting.wait_for(lambda: hub.call(lambda h: [
-            rs.last_seq for rs in sorted(h.state.active_ranks(), key=lambda rs: rs.rank)])
-            == [last[0], last[1]], timeout=20, what="every batch sent")
+        last = streams.stop()
     finally:
-        stop.set()
-        for rc in ranks:
-            rc.close()
+        streams.close()
         hub.stop()
     assert status == {0: "active", 1: "active"}, status
     assert "lost_rank" not in findings, findings
@@ -289,10 +317,7 @@ def test_the_hub_pauses_its_ranks_for_a_recorder_behind_and_loses_none(
     assert not [m for m in logged if "disconnected" in m or "silent for" in m
                 or "closed" in m], logged
     frames = [f for _, f in read(path)]
-    for r in (0, 1):
-        seqs = [f.payload["seq"] for f in frames
-                if f.kind == wire.KIND_BATCH and f.payload.get("rank") == r]
-        assert seqs == list(range(1, last[r] + 1))  # each once, in order
+    _each_once_in_order(frames, last)
     marks = [f.payload["paused"] for f in frames if f.kind == KIND_INGEST]
     assert marks[:2] == [True, False], marks
 
@@ -335,53 +360,24 @@ def test_data_that_waits_for_its_turn_arrives_whole_and_in_order(tmp_path: Path,
     monkeypatch.setattr(server_mod, "INGEST_SLICE_S", 0.0)
     path = tmp_path / "run.rtop"
     hub = ThreadedHub(record=str(path), token="slice-token-0123456789").start()
-    ranks = [RankClient(hub.address, hub.token, r, world=8) for r in range(8)]
-    stop = threading.Event()
-    sent = dict.fromkeys(range(8), 0)
-
-    def stream(rc: RankClient) -> None:
-        while not stop.is_set():
-            sent[rc.rank] += 1
-            seq = sent[rc.rank]
-            rc.send(wire.KIND_BATCH, {"rank": rc.rank, "group": rc.group, "seq": seq,
-                                      "steps": [step_row(seq)]})
-            time.sleep(0.01)
-
-    threads = [threading.Thread(target=stream, args=(rc,), daemon=True) for rc in ranks]
+    streams = _Streams(hub, world=8, rows=1, every_s=0.01)
     try:
-        for rc in ranks:
-            welcome = rc.recv()
-            assert welcome is not None and welcome.kind == wire.KIND_WELCOME
-        for t in threads:
-            t.start()
         with HubClient(hub.address, hub.token) as viewer:
             for _ in range(5):
                 t0 = time.monotonic()
                 snap = viewer.snapshot()
                 assert time.monotonic() - t0 < 2.0
                 time.sleep(0.3)
-        stop.set()
-        for t in threads:
-            t.join(5)
-        last = dict(sent)
-        waiting.wait_for(lambda: hub.call(lambda h: [
-            rs.last_seq for rs in sorted(h.state.active_ranks(), key=lambda rs: rs.rank)])
-            == [last[r] for r in range(8)], timeout=20, what="every batch sent")
+        last = streams.stop()
         counters = hub.call(lambda h: dict(h.counters))
         statuses = snap["ranks"]["status"]
     finally:
-        stop.set()
-        for rc in ranks:
-            rc.close()
+        streams.close()
         hub.stop()
     assert statuses == ["active"] * 8
     assert counters["ingest_deferred"] >= 50, counters  # the waiting path was taken
     assert counters["bad_frames"] == 0 and counters["floods"] == 0
-    frames = [f for _, f in read(path)]
-    for r in range(8):
-        seqs = [f.payload["seq"] for f in frames
-                if f.kind == wire.KIND_BATCH and f.payload.get("rank") == r]
-        assert seqs == list(range(1, last[r] + 1))  # each once, in order
+    _each_once_in_order([f for _, f in read(path)], last)
 
 
 async def test_the_header_says_when_the_hub_does_not_hear_its_ranks():
