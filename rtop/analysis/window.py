@@ -478,7 +478,7 @@ class Taking:
         last_seen = np.fromiter(map(_LAST_SEEN, ranks), dtype=np.float64, count=n)
         # (the hub's deaf time not counted: a rank is not stuck for what it was not heard)
         phase_age = (latest[:, _LATEST["phase_s"]] if n else np.empty(0)) + np.maximum(
-            0.0, t - last_seen - state.deaf_within_each(last_seen, t))
+            0.0, t - last_seen - state.deaf_within(last_seen, t))
         status = list(map(_STATUS, ranks))
         key = (state.meta_version, slots.tobytes(), members.rank.tobytes())
         classes, tensor_rank = (cache.role_cache.of(members.metas, key) if cache is not None

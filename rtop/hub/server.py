@@ -226,7 +226,7 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
-        if self.via is None and self.role in ("rank", "relay"):  # a rank's data, or a node's
+        if self.gated:
             hub = self.hub
             if self.held or hub.ingest_paused_since is not None or hub.slice_full:
                 # read before the hub stopped reading it: kept, in order, for its turn
@@ -238,6 +238,13 @@ class _Conn(asyncio.Protocol):
             hub.spend(time.perf_counter() - t0)
         else:
             self._received(data)
+
+    @property
+    def gated(self) -> bool:
+        """A rank's own connection, or a relay's: what it sends is the ranks' data, read
+        in the hub's slices and paused with its ingest (a relayed rank's stream is read
+        with its relay's connection)."""
+        return self.via is None and self.role in ("rank", "relay")
 
     def _received(self, data: bytes) -> None:
         now = time.monotonic()
@@ -506,8 +513,7 @@ class Hub:
             self.ingest_paused_since = None
             self._update_deaf(mono)
             for conn in list(self._conns):
-                if conn.role in ("rank", "relay") and conn.via is None \
-                        and conn not in self._waiting \
+                if conn.gated and conn not in self._waiting \
                         and conn.transport is not None and not conn.closing:
                     conn.transport.resume_reading()
             self._drain()
@@ -515,8 +521,7 @@ class Hub:
     def hold(self, conn: _Conn) -> None:
         """Stop reading ``conn`` while the hub's ingest is paused (a rank's own
         connection, or a relay's: the ranks behind it wait with it)."""
-        if conn.role in ("rank", "relay") and conn.via is None \
-                and conn.transport is not None and not conn.closing:
+        if conn.gated and conn.transport is not None and not conn.closing:
             conn.transport.pause_reading()
 
     def spend(self, seconds: float) -> None:

@@ -963,9 +963,9 @@ class RunState:
         if start is not None and min(max(start, last), t_hub) < t_hub:
             self.deaf_spans.append((min(max(start, last), t_hub), t_hub))
 
-    def deaf_within_each(self, since: np.ndarray, b: float) -> np.ndarray:
-        """:meth:`deaf_within` from each of ``since`` to ``b`` (zeros when the hub
-        always heard)."""
+    def deaf_within(self, since: np.ndarray, b: float) -> np.ndarray:
+        """Seconds from each of the hub times ``since`` to ``b`` that the hub did not hear
+        its ranks (zeros when it always heard)."""
         total = np.zeros(len(since))
         if not len(since) or (not self.deaf_spans and self.deaf_since is None):
             return total
@@ -977,23 +977,13 @@ class RunState:
             total += np.maximum(0.0, np.minimum(end, b) - np.maximum(start, since))
         return total
 
-    def deaf_within(self, a: float, b: float) -> float:
-        """Seconds between hub times ``a`` and ``b`` the hub did not hear its ranks."""
-        total = 0.0
-        if self.deaf_since is not None and self.deaf_since < b:
-            total += b - max(a, self.deaf_since)
-        for start, end in reversed(self.deaf_spans):
-            if end <= a:
-                break
-            total += max(0.0, min(end, b) - max(start, a))
-        return total
-
     def _silent(self, rs: RankState, t_hub: float) -> float | None:
         """When an active rank became silent (``lost_after_s`` heard without a frame
         from it, the hub's deaf spans not counted), if it is by ``t_hub``."""
         if rs.status != "active" or t_hub - rs.last_seen <= self.lost_after_s:
             return None
-        deaf = self.deaf_within(rs.last_seen, t_hub) if self.deaf_spans else 0.0
+        deaf = float(self.deaf_within(np.array([rs.last_seen]), t_hub)[0]) \
+            if self.deaf_spans else 0.0
         if t_hub - rs.last_seen - deaf <= self.lost_after_s:
             return None
         return rs.last_seen + self.lost_after_s + deaf
